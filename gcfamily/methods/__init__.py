@@ -1,0 +1,29 @@
+"""The method table: an explicit dict from name to class (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from gcfamily.errors import GcfError
+
+if TYPE_CHECKING:
+    from gcfamily.methods.base import Method
+
+# name -> "module:Class"; a new method adds one line here
+METHODS: dict[str, str] = {
+    "sft": "gcfamily.methods.sft:SFT",
+}
+
+
+def get_method(name: str) -> type["Method"]:
+    """The class registered under name; an unknown name is a clear error listing the known ones."""
+    if name not in METHODS:
+        raise GcfError(f"Unknown method '{name}'; choose one of: {', '.join(METHODS)}.")
+    module, cls = METHODS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def all_methods() -> dict[str, type["Method"]]:
+    """Every registered method class, by name."""
+    return {name: get_method(name) for name in METHODS}

@@ -1,0 +1,135 @@
+"""Resumable checkpoints, written atomically: a temporary folder, a COMPLETE marker, a rename.
+
+A checkpoint folder `step-N/` holds the model (safetensors), and in `state.pt` the optimizer,
+scheduler, every RNG state, the step and the method's own state. `--resume` picks the newest
+folder that has the marker, so a process killed mid-write never leaves a half checkpoint
+that would be picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from gcfamily.errors import GcfError
+
+MARKER = "COMPLETE"
+
+
+def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Every RNG the run draws from: python, numpy, torch (CPU and CUDA) and the sampler."""
+    np_state = np.random.get_state()
+    state = {
+        "python": json.dumps(random.getstate()),
+        "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    if generator is not None:
+        state["sampler"] = generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None) -> None:
+    """Restore what rng_state returned."""
+    py = json.loads(state["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npv = json.loads(state["numpy"])
+    np.random.set_state((npv[0], np.array(npv[1], dtype=np.uint32), *npv[2:]))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "sampler" in state:
+        generator.set_state(state["sampler"])
+
+
+def _flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage (tied embeddings): keep the first name of each tensor
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in model.state_dict().items():
+        key = v.data_ptr()
+        if key in seen and v.numel() > 0:
+            continue
+        seen[key] = k
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2) -> Path:
+    """Write checkpoint `root/step-{step}` atomically and prune to the newest keep_last."""
+    weights = _flat_state(model)
+    for k, v in weights.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise GcfError(f"Refusing to write a checkpoint with non-finite weights ({k}); the last good checkpoint is kept.")
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(weights, str(tmp / "model.safetensors"))
+    torch.save(state, tmp / "state.pt")
+    (tmp / MARKER).write_text(str(step))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir() if path.is_dir() else []:
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders that finished writing, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / MARKER).is_file() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def find(resume: str, run_dir: Path) -> Path:
+    """The checkpoint `--resume` means: the newest in the run folder, or a given folder."""
+    if resume in ("", "latest", "auto", "true", "True"):
+        found = complete_checkpoints(run_dir / "checkpoints")
+        if not found:
+            raise GcfError(f"No complete checkpoint in {run_dir / 'checkpoints'} to resume from; start without --resume.")
+        return found[-1]
+    p = Path(resume)
+    if (p / MARKER).is_file():
+        return p
+    found = complete_checkpoints(p / "checkpoints") or complete_checkpoints(p)
+    if found:
+        return found[-1]
+    raise GcfError(f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N.")
+
+
+def load(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load weights into model and return the saved training state."""
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)}
+    if unexpected or set(missing) - tied:
+        raise GcfError(f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}).")
+    return torch.load(path / "state.pt", weights_only=True, map_location="cpu")

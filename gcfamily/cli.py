@@ -1,0 +1,142 @@
+"""`gcf`: run a method, list methods and settings, evaluate a model.
+
+Every user mistake ends in one sentence on stderr and exit code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+import click
+
+from gcfamily.errors import GcfError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+class GcfGroup(click.Group):
+    """Turns GcfError into one clear line and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GcfError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            _fail("interrupted.", 130)
+
+
+@click.group(cls=GcfGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """gcfamily: one engine for SFT, rejection sampling, PPO, GRPO, DPO and their variants."""
+
+
+def _overrides(**opts: Any) -> dict[str, Any]:
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+@main.command()
+@click.option("--method", help="Method name (see `gcf methods`).")
+@click.option("--model", help="Alias (tiny, smollm2-135m, qwen-0.5b), hub id or local folder.")
+@click.option("--task", help="Built-in task (arithmetic, countdown, sorting, ...).")
+@click.option("--dataset", help="Local JSONL/JSON/parquet/CSV file or hub dataset name.")
+@click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
+@click.option("--set", "sets", multiple=True, help="Override any setting: --set key=value (repeatable).")
+@click.option("--max-steps", type=int)
+@click.option("--output-dir", type=str)
+@click.option("--reward", help="Reward: built-in name or module:function.")
+@click.option("--reward-model", help="Folder of a trained reward model.")
+@click.option("--seed", type=int)
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, help="Continue from the newest checkpoint (or from PATH).")
+@click.option("--overwrite", is_flag=True, default=None, help="Replace a previous run in the output folder.")
+@click.option("--trust-remote-code", is_flag=True, default=None, help="Allow model code from the hub.")
+@click.option("--eval", "eval_at_ends", is_flag=True, default=None, help="Held-out accuracy before and after training.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes (torch.distributed) on this machine.")
+@click.option("--strategy", type=str, help="ddp or fsdp2 when --nproc > 1.")
+def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str], nproc: int, **opts: Any) -> None:
+    """Train a model with a method."""
+    from gcfamily.config import parse_sets, resolve
+
+    overrides = _overrides(**opts)
+    overrides.update(parse_sets(sets))
+    cfg = resolve(config_path, overrides)
+    if nproc > 1:
+        from gcfamily.distributed import launch
+
+        sys.exit(launch(nproc, sys.argv[1:]))
+    from gcfamily.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=resume)
+    out = trainer.run()
+    click.echo(f"done: {trainer.step} steps; model and metrics in {out}")
+
+
+@main.command()
+def methods() -> None:
+    """List every method with its data source and gradient coefficient."""
+    from gcfamily.methods import all_methods
+
+    rows = [(n, c.data_source, c.gc_formula) for n, c in all_methods().items()]
+    w = max(len(r[0]) for r in rows)
+    for name, src, gc in rows:
+        click.echo(f"{name:<{w}}  data: {src}\n{'':<{w}}  GC:   {gc}")
+
+
+@main.command()
+def settings() -> None:
+    """List every setting with its default and meaning."""
+    import dataclasses
+
+    from gcfamily.config import Config, field_docs
+
+    docs = field_docs()
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        click.echo(f"{f.name} = {default!r}\n    {docs.get(f.name, '')}")
+
+
+@main.command()
+def tasks() -> None:
+    """List the built-in tasks."""
+    from gcfamily.tasks import TASKS
+
+    for name, cls in TASKS.items():
+        click.echo(f"{name}: {getattr(cls, 'description', '')}")
+
+
+@main.command("eval")
+@click.option("--model", default="smollm2-135m", show_default=True, help="Alias, hub id or local folder (e.g. a run folder).")
+@click.option("--task", default="arithmetic", show_default=True)
+@click.option("--samples", default=200, show_default=True, type=int, help="Held-out prompts.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the task's train/test split.")
+@click.option("--set", "sets", multiple=True, help="Task options: --set level=1d-add.")
+@click.option("--device", default="auto", show_default=True)
+def eval_cmd(model: str, task: str, samples: int, max_new_tokens: int, seed: int, sets: tuple[str, ...], device: str) -> None:
+    """Held-out accuracy of a model on a task (greedy decoding)."""
+    import time
+
+    from gcfamily.config import parse_sets
+    from gcfamily.evaluate import heldout_accuracy
+    from gcfamily.models import load_model
+    from gcfamily.tasks import get_task
+    from gcfamily.trainer import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    t = get_task(task, seed=seed, **parse_sets(sets))
+    m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+    t0 = time.time()
+    acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
+    n = len(t.rows("test", samples))
+    click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

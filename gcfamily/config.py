@@ -1,0 +1,309 @@
+"""Settings: typed defaults, then a YAML recipe, then command-line overrides (in that order).
+
+One flat dataclass so that every field can be set the same way from YAML or `--set key=value`;
+each field's docstring is the documentation `gcf run --help-settings` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from gcfamily.errors import GcfError
+
+
+@dataclass
+class Config:
+    # --- what to run
+    method: str = "sft"
+    """Method name (see `gcf methods`)."""
+    model: str = "smollm2-135m"
+    """Model alias (tiny, smollm2-135m, qwen-0.5b, ...), hub id or local folder."""
+    task: Optional[str] = "arithmetic"
+    """Built-in offline task: prompts, references and the reward (see `gcf tasks`)."""
+    task_options: dict = field(default_factory=dict)
+    """Options for the task, e.g. {level: 1d-add}."""
+    dataset: Optional[str] = None
+    """A local JSONL/JSON/parquet/CSV file or a hub dataset name; overrides the task's training rows."""
+    dataset_split: str = "train"
+    """Split of the dataset to train on."""
+    output_dir: str = "runs/default"
+    """Run folder: config, metrics.jsonl, TensorBoard events, checkpoints and the final model."""
+    overwrite: bool = False
+    """Allow writing into an output folder that holds another run."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    dtype: str = "auto"
+    """float32, bfloat16, or auto (bfloat16 on a GPU that supports it, float32 on CPU)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub model; off unless asked for."""
+
+    # --- the step
+    max_steps: int = 100
+    """Number of training steps (each step draws one batch)."""
+    batch_size: int = 8
+    """Examples per step: rows for SFT, prompts for on-policy methods, pairs for DPO."""
+    micro_batch_size: int = 8
+    """Rows per forward/backward; gradient accumulation never changes the gradient."""
+    loss_norm: Optional[str] = None
+    """token, sequence, sum or constant; None takes the method's default (see engine.py)."""
+    norm_constant: float = 1.0
+    """Per-sequence constant of the "constant" normalisation (Dr. GRPO uses the max length)."""
+    chunk_size: int = 1024
+    """Rows of the output projection computed at a time in the log-prob path."""
+    max_length: int = 512
+    """Longest prompt + completion in tokens for offline data."""
+    long_prompts: str = "skip"
+    """A prompt longer than max_length: skip (counted and logged) or error."""
+
+    # --- optimizer
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices."""
+    adam_betas: tuple = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_schedule: str = "constant"
+    """constant, linear or cosine after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak for linear/cosine."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 turns clipping off)."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient."""
+
+    # --- on-policy sampling and rewards
+    group_size: int = 8
+    """G: completions sampled per prompt."""
+    max_new_tokens: int = 64
+    """Longest completion sampled."""
+    temperature: float = 1.0
+    """Sampling temperature; the policy's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    stop_strings: list = field(default_factory=list)
+    """Strings that end a completion."""
+    reward: Optional[str] = None
+    """Reward: a built-in name or module:function; None takes the task's reward."""
+    reward_model: Optional[str] = None
+    """Folder of a trained reward model to score completions with."""
+    reward_threshold: float = 0.5
+    """Rejection sampling keeps completions whose reward is at least this."""
+
+    # --- policy-gradient rules
+    beta: float = 0.04
+    """KL weight (GRPO, PPO) or DPO's beta."""
+    epsilon: float = 0.2
+    """Clip range of the ratio (lower side for asymmetric clipping)."""
+    epsilon_high: Optional[float] = None
+    """Upper clip range (DAPO clip-higher); None means symmetric."""
+    mu: int = 1
+    """Inner epochs over each batch of rollouts (pi_old is only computed when mu > 1)."""
+    num_minibatches: int = 1
+    """Optimizer steps per inner epoch (the batch is split into this many minibatches)."""
+    ref_refresh_every: int = 0
+    """Copy the policy into the reference every this many steps (0 = never)."""
+    zero_std: str = "keep"
+    """Groups whose rewards are all equal: keep their tokens in the normaliser, or exclude them."""
+    std: str = "sample"
+    """Group std for GRPO advantages: sample (torch default, 1/(G-1)) or population (1/G)."""
+
+    # --- preference methods
+    label_smoothing: float = 0.0
+    """Conservative DPO's label noise."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin."""
+
+    # --- PPO
+    gamma: float = 1.0
+    """Discount of GAE."""
+    lam: float = 0.95
+    """lambda of GAE."""
+    vf_coef: float = 0.5
+    """Weight of the critic's loss."""
+    value_clip: float = 0.2
+    """Clip range of the value loss."""
+    critic_lr: float = 1e-5
+    """Learning rate of the critic."""
+    kl_in_reward: bool = False
+    """PPO: put -beta * log(pi/pi_ref) in each token's reward instead of a KL term in the loss."""
+
+    # --- logging, evaluation and checkpoints
+    log_every: int = 1
+    """Write metrics every this many steps."""
+    eval_every: int = 0
+    """Held-out accuracy every this many steps (0 = only before and after)."""
+    eval_samples: int = 64
+    """Held-out prompts used for accuracy."""
+    eval_at_ends: bool = False
+    """Evaluate held-out accuracy before the first and after the last step."""
+    save_every: int = 0
+    """Write a resumable checkpoint every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints to keep."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    # --- distribution
+    strategy: str = "ddp"
+    """ddp or fsdp2 when several processes run."""
+    activation_checkpointing: bool = False
+    """Recompute decoder layers in the backward to save memory."""
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> its docstring, read from this file's source."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(Config)
+    tree = ast.parse(src).body[0]
+    docs, last = {}, None
+    for node in tree.body:  # type: ignore[attr-defined]
+        if isinstance(node, ast.AnnAssign):
+            last = node.target.id  # type: ignore[union-attr]
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+            docs[last] = str(node.value.value)
+            last = None
+    return docs
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML or command-line value into the field's type; a clear error otherwise."""
+    default = FIELDS[name].default if FIELDS[name].default is not dataclasses.MISSING else FIELDS[name].default_factory()  # type: ignore[misc]
+    if isinstance(value, str) and not isinstance(default, str):
+        if value.lower() in ("none", "null") and (default is None or FIELDS[name].type.startswith("Optional")):
+            return None
+        try:
+            value = yaml.safe_load(value)  # numbers, booleans, lists, dicts; never code
+        except yaml.YAMLError as e:
+            raise GcfError(f"Setting {name}={value!r} is not a valid value.") from e
+    if default is None or value is None:
+        return value
+    try:
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if isinstance(default, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError
+            return value
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if isinstance(default, tuple):
+            return tuple(value)
+        if isinstance(default, (list, dict)):
+            if not isinstance(value, type(default)):
+                raise ValueError
+            return value
+        if isinstance(default, str):
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise GcfError(f"Setting {name}={value!r} has the wrong type; expected {type(default).__name__}.")
+
+
+def apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
+    """Return cfg with values applied; unknown keys are a clear error naming the source."""
+    for k, v in values.items():
+        key = k.replace("-", "_")
+        if key not in FIELDS:
+            raise GcfError(f"Unknown setting '{k}' in {source}; see `gcf settings` for the list.")
+        cfg = dataclasses.replace(cfg, **{key: _coerce(key, v)})
+    return cfg
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a recipe; a missing or malformed file is a clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise GcfError(f"Config file {path} does not exist; pass a YAML recipe such as configs/sft-arithmetic.yaml.")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise GcfError(f"Config file {path} is not valid YAML ({str(e).splitlines()[0]}).") from e
+    if not isinstance(data, dict):
+        raise GcfError(f"Config file {path} must be a mapping of setting: value.")
+    return data
+
+
+def parse_sets(items: tuple[str, ...]) -> dict[str, str]:
+    """`--set key=value` pairs to a dict."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise GcfError(f"--set {item!r} must look like key=value.")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def resolve(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
+    """Defaults, then the YAML recipe, then command-line values."""
+    cfg = Config()
+    if config_path:
+        cfg = apply(cfg, load_yaml(config_path), config_path)
+    return apply(cfg, overrides, "the command line")
+
+
+def validate(cfg: Config) -> None:
+    """Range checks shared by every method; a method checks its own fields in Method.validate."""
+    checks = [
+        (cfg.max_steps >= 0, "max_steps must be >= 0"),
+        (cfg.batch_size >= 1, "batch_size must be >= 1"),
+        (cfg.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+        (cfg.lr > 0, "lr (learning rate) must be > 0"),
+        (cfg.chunk_size >= 1, "chunk_size must be >= 1"),
+        (cfg.max_length >= 2, "max_length must be >= 2"),
+        (cfg.grad_clip >= 0, "grad_clip must be >= 0"),
+        (cfg.beta >= 0, "beta must be >= 0"),
+        (cfg.epsilon > 0, "epsilon must be > 0"),
+        (cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high must be > 0"),
+        (cfg.temperature > 0, "temperature must be > 0"),
+        (0 < cfg.top_p <= 1, "top_p must be in (0, 1]"),
+        (cfg.top_k >= 0, "top_k must be >= 0"),
+        (cfg.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+        (cfg.mu >= 1, "mu (inner epochs) must be >= 1"),
+        (cfg.num_minibatches >= 1, "num_minibatches must be >= 1"),
+        (cfg.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"),
+        (cfg.std in ("sample", "population"), "std must be sample or population"),
+        (cfg.long_prompts in ("skip", "error"), "long_prompts must be skip or error"),
+        (cfg.strategy in ("ddp", "fsdp2"), "strategy must be ddp or fsdp2"),
+        (cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule must be constant, linear or cosine"),
+        (cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto, float32, bfloat16 or float16"),
+        (cfg.save_every >= 0 and cfg.keep_last >= 1, "save_every must be >= 0 and keep_last >= 1"),
+        (cfg.norm_constant > 0, "norm_constant must be > 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise GcfError(f"Invalid setting: {msg}.")
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """JSON-ready dict of the resolved settings (saved with every run)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+
+
+def env_flag(name: str) -> bool:
+    """True when an environment variable is set to a truthy value."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,254 @@
+"""The engine: token log-probs, the one weighted backward, and the optimizer step.
+
+Every method in the family has the gradient
+
+    grad J = E[ sum_t w_t * GC(q, o, t) * grad log pi(o_t | q, o_<t) ]
+
+so one loss does all of them (spinningup's idea, generalised):
+
+    loss = -sum(coef * w * logps * mask) / Z
+
+with GC evaluated on detached log-probs, which makes grad(loss) == -grad J exactly.
+
+Normalisation contract (one for every method). Z is counted over the WHOLE optimizer
+step, every micro-batch and every rank, before any backward runs, so splitting a step
+into micro-batches or across ranks never changes the gradient:
+
+    "token"     w_t = 1,        Z = number of loss tokens in the step
+    "sequence"  w_t = 1/|o_i|,  Z = sum of example weights (sequence-mean of token-means)
+    "sum"       w_t = 1,        Z = sum of example weights (sequence-sum, e.g. DPO)
+    "constant"  w_t = 1,        Z = norm_constant * sum of example weights (Dr. GRPO)
+
+Rows whose `valid` flag is off (a failed reward, an excluded zero-std group) contribute
+nothing to the loss and nothing to Z. The example weight of a row is 1 unless the method
+says otherwise (a DPO pair is one example split over two rows of weight 1/2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gcfamily.errors import GcfError
+
+NORM_MODES = ("token", "sequence", "sum", "constant")
+
+
+# ----------------------------------------------------------------------------------
+# log-probs of the taken tokens, chunked, with an exact hand-written backward
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log softmax(h @ W.T / tau)[target] for N rows, in chunks of rows.
+
+    Forward and backward each hold one [chunk, V] float32 block at a time, never [N, V]:
+    the backward recomputes the chunk's logits and uses d logp / d logits = onehot - softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):  # type: ignore[override]
+        N = hidden.shape[0]
+        logps = hidden.new_empty(N, dtype=torch.float32)  # [N]
+        entropy = hidden.new_empty(N, dtype=torch.float32)  # [N]
+        lse_all = hidden.new_empty(N, dtype=torch.float32)  # [N]
+        for s in range(0, N, chunk_size):
+            logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            tgt = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
+            logps[s : s + chunk_size] = tgt - lse
+            probs = torch.softmax(logits, dim=-1)
+            entropy[s : s + chunk_size] = lse - (probs * logits).sum(-1)
+            lse_all[s : s + chunk_size] = lse
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
+        ctx.temperature, ctx.chunk_size, ctx.has_bias = temperature, chunk_size, bias is not None
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):  # type: ignore[override]
+        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        tau, c = ctx.temperature, ctx.chunk_size
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]
+            logits = _chunk_logits(h, weight, bias, tau)  # [c, V]
+            # d logp / d logits = onehot(target) - softmax; scaled by the incoming grad and 1/tau
+            g = -torch.exp(logits - lse_all[s : s + c, None])
+            g.scatter_add_(1, targets[s : s + c, None], torch.ones_like(g[:, :1]))
+            g.mul_(grad_logps[s : s + c, None].float() / tau)
+            if grad_h is not None:
+                grad_h[s : s + c] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h.float())
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float) -> torch.Tensor:
+    logits = (h @ weight.t()).float()  # [c, V]
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits / tau if tau != 1.0 else logits
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a left-padded row sees the positions an unpadded one would."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def model_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Split a causal LM into its backbone (returns hidden states) and its output layer."""
+    try:
+        return model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError) as e:  # a model without the HF split
+        raise GcfError(f"The model {type(model).__name__} has no get_decoder()/get_output_embeddings(); gcfamily needs a causal LM with both.") from e
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-token log-probs aligned with input_ids: logps[b, t] = log pi(input_ids[b, t] | input_ids[b, <t])."""
+
+    logps: torch.Tensor  # [B, L] with grad where the mask is on, 0 elsewhere
+    entropy: torch.Tensor  # [B, L] no grad, 0 where the mask is off
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> TokenLogprobs:
+    """Log-probs of the taken tokens, computed only where loss_mask is on and in chunks.
+
+    The backbone runs once over the (trimmed) sequences; the output layer is applied chunk
+    by chunk to the hidden states of the masked positions only, so memory for the logits is
+    bounded by chunk_size x V rather than B x T x V.
+    """
+    B, L = input_ids.shape
+    backbone, head = model_parts(model)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, L, H]
+    # the hidden state at t-1 predicts the token at t
+    pred_mask = loss_mask[:, 1:].bool()  # [B, L-1]
+    h = hidden[:, :-1][pred_mask]  # [N, H]
+    targets = input_ids[:, 1:][pred_mask]  # [N]
+    logps = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
+    entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
+    if h.shape[0] == 0:
+        return TokenLogprobs(logps + 0.0 * hidden.sum(), entropy)
+    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size))
+    full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
+    logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
+    entropy[:, 1:][pred_mask] = ent
+    return TokenLogprobs(logps, entropy)
+
+
+# ----------------------------------------------------------------------------------
+# the normaliser and the one weighted backward
+
+
+def example_weights(batch: dict) -> torch.Tensor:
+    """Per-row weight in the sequence counts: `example_weight` times the `valid` flag."""
+    B = batch["input_ids"].shape[0]
+    w = batch.get("example_weight")
+    w = torch.ones(B, device=batch["input_ids"].device) if w is None else w.float()
+    if "valid" in batch:
+        w = w * batch["valid"].float()
+    return w  # [B]
+
+
+def effective_mask(batch: dict) -> torch.Tensor:
+    """Loss mask with invalid rows switched off."""
+    m = batch["loss_mask"].float()
+    if "valid" in batch:
+        m = m * batch["valid"].float()[:, None]
+    return m  # [B, L]
+
+
+def token_weights(batch: dict, mode: str) -> torch.Tensor:
+    """w_t of the contract: 1/|o_i| in "sequence" mode, else 1."""
+    m = effective_mask(batch)
+    if mode == "sequence":
+        return m / batch["loss_mask"].float().sum(-1, keepdim=True).clamp(min=1)
+    return m  # [B, L]
+
+
+def normaliser(batches: Iterable[dict], mode: str, norm_constant: float = 1.0, group: object = None) -> float:
+    """Z over all micro-batches of a step, summed over ranks when torch.distributed is up."""
+    if mode not in NORM_MODES:
+        raise GcfError(f"Unknown normalisation '{mode}'; choose one of {', '.join(NORM_MODES)}.")
+    z = torch.zeros((), dtype=torch.float64)
+    for b in batches:
+        if mode == "token":
+            z += effective_mask(b).sum().double().cpu()
+        else:
+            z += example_weights(b).sum().double().cpu()
+    if dist.is_available() and dist.is_initialized():
+        z = z.to(_dist_device())
+        dist.all_reduce(z, group=group)
+        z = z.cpu()
+    z = float(z) * (norm_constant if mode == "constant" else 1.0)
+    return max(z, 1e-12)  # an all-masked step has zero loss; Z only needs to be non-zero
+
+
+def _dist_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def weighted_loss(coef: torch.Tensor, logps: torch.Tensor, batch: dict, mode: str, Z: float) -> torch.Tensor:
+    """The one loss of the family: -sum(coef * w * logps * mask) / Z."""
+    w = token_weights(batch, mode)
+    return -(coef.detach() * w * logps).sum() / Z
+
+
+# ----------------------------------------------------------------------------------
+# optimizer and schedule
+
+
+def build_optimizer(params: Iterable[nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW; no decay on biases and norms (1-d tensors), as is standard for transformers."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
+    """Linear warm-up, then constant, linear or cosine decay to min_ratio of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - frac)
+        if schedule == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        raise GcfError(f"Unknown lr schedule '{schedule}'; choose constant, linear or cosine.")
+
+    return f
+
+
+def grads_finite(params: Iterable[nn.Parameter]) -> bool:
+    """True when every gradient is finite (one fused check, not one sync per tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    return bool(torch.isfinite(torch.stack(norms)).all())

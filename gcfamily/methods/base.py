@@ -1,0 +1,127 @@
+"""The Method API: a data source, a prepare step, and the gradient coefficient.
+
+A method never computes a loss for the policy; the engine does, from the coefficient:
+
+    logps = engine.token_logprobs(policy, batch)       # [B, L], with grad
+    coef  = method.coefficient(batch, logps.detach())  # [B, L], no grad
+    loss  = -(coef * w * logps * mask).sum() / Z       # grad == -grad J
+
+Every method also states its textbook objective J in `objective` so that the exactness
+suite can check, on random inputs, that the engine's gradient equals autograd of J.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from gcfamily.config import Config
+from gcfamily.engine import token_weights
+
+if TYPE_CHECKING:
+    from gcfamily.trainer import Trainer
+
+Batch = dict[str, Any]
+
+
+class Method:
+    """Base class. Subclass and override `coefficient` (and `objective`) to add a rule."""
+
+    name: str = ""
+    data_source: str = ""
+    """One line for `gcf methods`: where the data come from."""
+    gc_formula: str = ""
+    """One line for `gcf methods`: GC on token t of output o."""
+    default_norm: str = "sequence"
+    """Aggregation of the textbook objective (engine.py's normalisation contract)."""
+    rows_per_example: int = 1
+    """Rows that must stay in one micro-batch (2 for a preference pair)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.norm = cfg.loss_norm or self.default_norm
+        self.trainer: Trainer | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        """Check this method's settings; raise GcfError with one clear sentence."""
+
+    def setup(self, trainer: "Trainer") -> None:
+        """Called once with the trainer (policy, tokenizer, engine, task are ready)."""
+        self.trainer = trainer
+
+    # -- the three parts of a method -------------------------------------------------
+    def data(self, step: int) -> Batch:
+        """The batch of `step`; deterministic in (seed, step) so a resumed run sees the same data."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> Batch:
+        """Add what is fixed for the step, without grad: rewards, advantages, old/ref log-probs."""
+        return batch
+
+    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        """GC[B, L] = dJ/dlogp_t at the current (detached) log-probs."""
+        raise NotImplementedError
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        """The textbook objective J (to maximise) with the method's aggregation; used by tests."""
+        raise NotImplementedError
+
+    # -- optional hooks --------------------------------------------------------------
+    def logprob_temperature(self) -> float:
+        """Temperature of the policy's log-probs (on-policy methods use the sampling one)."""
+        return 1.0
+
+    def inner_epochs(self) -> int:
+        """How many passes over each prepared batch (PPO/GRPO's mu)."""
+        return 1
+
+    def num_minibatches(self) -> int:
+        """Optimizer steps per pass."""
+        return 1
+
+    def auxiliary_step(self, batch: Batch) -> dict[str, float]:
+        """Train a second model the method owns (PPO's critic) on this minibatch; returns metrics."""
+        return {}
+
+    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
+        """Method-specific metrics of one micro-batch (sums or means; the trainer averages)."""
+        return {}
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Called after each training step (e.g. refresh the reference)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Method state to checkpoint (counters, a critic and its optimizer)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""
+
+    # -- helpers for subclasses ------------------------------------------------------
+    def aggregate(self, per_token: torch.Tensor, batch: Batch, Z: float) -> torch.Tensor:
+        """sum_t w_t * term_t / Z: the aggregation of the contract, for textbook objectives."""
+        return (token_weights(batch, self.norm) * per_token).sum() / Z
+
+
+def gc_stats(coef: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean, mean |GC| and the fraction of loss tokens whose GC is exactly 0."""
+    m = mask.bool()
+    n = max(int(m.sum()), 1)
+    c = coef[m]
+    return {
+        "gc/mean": float(c.sum()) / n,
+        "gc/abs_mean": float(c.abs().sum()) / n,
+        "gc/zero_frac": float((c == 0).sum()) / n,
+        "gc/std": float(c.std()) if c.numel() > 1 else 0.0,
+    }
+
+
+def iter_chunks(seq: list, size: int) -> Iterator[list]:
+    """Consecutive slices of a list."""
+    for i in range(0, len(seq), size):
+        yield seq[i : i + size]

@@ -1,0 +1,298 @@
+"""The loop: data -> prepare -> (coefficient -> backward)* -> step -> log -> checkpoint.
+
+Reads top to bottom. Everything a run depends on travels in the Trainer: settings, device,
+dtype, the sampler's generator, the output folder; nothing is global.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from gcfamily import checkpoint, engine
+from gcfamily.config import Config, to_dict, validate
+from gcfamily.data import split_batch, to_device
+from gcfamily.errors import GcfError
+from gcfamily.logger import RunLogger
+from gcfamily.methods import get_method
+from gcfamily.methods.base import Batch, Method, gc_stats
+from gcfamily.models import load_model
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise GcfError(f"device={name} was asked for but no CUDA GPU is available; use device=cpu.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on a GPU that supports it, float32 otherwise."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Trainer:
+    """Owns the policy, its optimizer and the method; runs `max_steps` steps."""
+
+    def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.method_cls = get_method(cfg.method)
+        self.method_cls.validate(cfg)
+        self.dist = dist_env
+        self.is_main = dist_env is None or dist_env.rank == 0
+        self.out_dir = Path(cfg.output_dir)
+        self._check_output_dir(resume)
+        self.device = resolve_device(cfg.device) if dist_env is None else dist_env.device
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
+        self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        self.task = self._load_task()
+        self.method: Method = self.method_cls(cfg)
+        self.method.setup(self)  # may load a reference or a critic from the untouched policy
+        if dist_env is not None:
+            self.policy = dist_env.wrap(self.policy, cfg)
+        if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
+            self.policy.gradient_checkpointing_enable()
+        self.policy.train()
+        self.optimizer = engine.build_optimizer(self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
+        total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        self.step = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        self._stop_signal: Optional[str] = None
+        if resume is not None:
+            self._resume(resume)
+        self.logger = RunLogger(self.out_dir, enabled=self.is_main)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _check_output_dir(self, resume: Optional[str]) -> None:
+        holds_run = (self.out_dir / "config.json").is_file() or (self.out_dir / "metrics.jsonl").is_file()
+        if holds_run and resume is None and not self.cfg.overwrite:
+            raise GcfError(f"Output folder {self.out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir.")
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if holds_run and resume is None:  # --overwrite: start clean, but never touch other files
+                for name in ("metrics.jsonl", "config.json"):
+                    (self.out_dir / name).unlink(missing_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+
+    def _load_task(self) -> Any:
+        if self.cfg.task is None:
+            return None
+        from gcfamily.tasks import get_task
+
+        return get_task(self.cfg.task, seed=self.cfg.seed, **self.cfg.task_options)
+
+    # ------------------------------------------------------------------ log-probs
+    def logprobs(self, model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, L] of a whole batch without grad, micro-batched (pi_old, pi_ref)."""
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        B = batch["input_ids"].shape[0]
+        size = self.cfg.micro_batch_size
+        with torch.inference_mode():
+            for s in range(0, B, size):
+                mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.device)
+                lp = engine.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, self.cfg.chunk_size)
+                out[s : s + size] = lp.logps.float().cpu()
+        return out
+
+    # ------------------------------------------------------------------ one optimizer step
+    def optimizer_step(self, batch: Batch) -> dict[str, float]:
+        """Micro-batched weighted backward over `batch`, then clip and step; skips non-finite steps."""
+        m, cfg = self.method, self.cfg
+        mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
+        Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
+        scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
+        sums: dict[str, float] = {}
+        n_tok = 0
+        loss_total = 0.0
+        for i, mb in enumerate(mbs):
+            mb = to_device(mb, self.device)
+            sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
+            with sync:
+                out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size)
+                coef = m.coefficient(mb, out.logps.detach())  # [B, L]
+                loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
+                if "force_nan_step" in mb and mb["force_nan_step"]:
+                    loss = loss * float("nan")  # test hook: a forced non-finite loss
+                (loss * scale).backward()
+            loss_total += float(loss)
+            mask = engine.effective_mask(mb)
+            k = int(mask.sum())
+            n_tok += k
+            for key, v in {**gc_stats(coef, mask), "entropy": float((out.entropy * mask).sum()) / max(k, 1), **m.metrics(mb, out.logps.detach(), coef)}.items():
+                sums[key] = sums.get(key, 0.0) + v * max(k, 1)
+            m_aux = m.auxiliary_step(mb)
+            for key, v in m_aux.items():
+                sums[key] = sums.get(key, 0.0) + v * max(k, 1)
+        weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
+        metrics = {k: v / weight for k, v in sums.items()}
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        finite = math.isfinite(loss_total) and engine.grads_finite(params)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            if self.bad_steps >= cfg.max_bad_steps:
+                raise GcfError(f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data).")
+            return {"loss": float("nan"), "skipped": 1.0, **metrics}
+        self.bad_steps = 0
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_total, "grad_norm": float(gn), "tokens": float(n_tok), "skipped": 0.0, **metrics}
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """mu passes over the prepared batch, each split into minibatches (one optimizer step each)."""
+        m = self.method
+        B = batch["input_ids"].shape[0]
+        n_mb = m.num_minibatches()
+        per = max(m.rows_per_example, math.ceil(B / n_mb / m.rows_per_example) * m.rows_per_example)
+        agg: dict[str, list[float]] = {}
+        for _ in range(m.inner_epochs()):
+            for s in range(0, B, per):
+                part = {k: (v[s : s + per] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v) for k, v in batch.items()}
+                for k, v in self.optimizer_step(part).items():
+                    agg.setdefault(k, []).append(v)
+        out = {k: (sum(v) if k == "tokens" else sum(v) / len(v)) for k, v in agg.items()}
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Path:
+        """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
+        cfg = self.cfg
+        self._install_signal_handlers()
+        bar = self._progress()
+        try:
+            if cfg.eval_at_ends and self.step == 0:
+                self.logger.log(0, self.evaluate())
+            while self.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                batch = self.method.data(self.step)
+                t_data = time.perf_counter()
+                batch = self.method.prepare(batch)
+                t_prep = time.perf_counter()
+                metrics = self.train_step(batch)
+                self.step += 1
+                metrics.update(self.method.after_step(self.step))
+                dt = time.perf_counter() - t0
+                metrics.update(
+                    {"time/step_s": dt, "time/data_s": t_data - t0, "time/prepare_s": t_prep - t_data, "train_tokens_per_s": metrics.get("tokens", 0.0) / max(time.perf_counter() - t_prep, 1e-9),
+                     "lr": self.scheduler.get_last_lr()[0], "peak_memory_mb": peak_memory_mb(self.device), "skipped_steps": float(self.skipped_steps)}
+                )
+                for k, v in batch.items():
+                    if k.startswith("stat/") and isinstance(v, (int, float)):
+                        metrics[k[5:]] = float(v)
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    metrics.update(self.evaluate())
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                    self.logger.log(self.step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save_checkpoint()
+                if self._stop_signal:
+                    self.save_checkpoint()
+                    raise GcfError(f"Stopped by {self._stop_signal} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.")
+            if cfg.eval_at_ends:
+                self.logger.log(self.step, self.evaluate())
+            self.save_checkpoint()
+            self.save_final()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+        return self.out_dir
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy on the task (skipped when there is no task)."""
+        if self.task is None:
+            return {}
+        from gcfamily.evaluate import heldout_accuracy
+
+        unwrapped = self.unwrapped_policy()
+        was_training = unwrapped.training
+        acc = heldout_accuracy(unwrapped, self.tokenizer, self.task, self.cfg.eval_samples, self.cfg.max_new_tokens)
+        unwrapped.train(was_training)
+        return {"eval/accuracy": acc}
+
+    # ------------------------------------------------------------------ saving
+    def unwrapped_policy(self) -> torch.nn.Module:
+        """The plain model under any DDP wrapper."""
+        return getattr(self.policy, "module", self.policy)
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs."""
+        return {
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
+            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps,
+        }
+
+    def save_checkpoint(self) -> Optional[Path]:
+        """A resumable checkpoint in out_dir/checkpoints (rank 0 writes)."""
+        if self.dist is not None:
+            return self.dist.save_checkpoint(self)
+        if not self.is_main:
+            return None
+        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last)
+
+    def _resume(self, resume: str) -> None:
+        path = checkpoint.find(resume, self.out_dir)
+        state = checkpoint.load(path, self.unwrapped_policy())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"], self.generator)
+        self.method.load_state_dict(state["method"])
+        self.step = int(state["step"])
+        self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
+
+    def save_final(self) -> None:
+        """The final model and tokenizer with save_pretrained, loadable by transformers."""
+        if self.dist is not None:
+            self.dist.save_final(self)
+            return
+        model = self.unwrapped_policy()
+        model.save_pretrained(self.out_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(self.out_dir)
+
+    # ------------------------------------------------------------------ signals and progress
+    def _install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            self._stop_signal = signal.Signals(signum).name
+
+        with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test runner thread)
+            signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGINT, handler)
+
+    def _progress(self) -> Any:
+        if not (self.cfg.progress and self.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.method}", dynamic_ncols=True)
