@@ -33,9 +33,21 @@ class GcfGroup(click.Group):
             _fail("interrupted.", 130)
 
 
+def _quiet_libraries() -> None:
+    """Keep transformers' and datasets' own progress bars out of the run's output."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
 @click.group(cls=GcfGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """gcfamily: one engine for SFT, rejection sampling, PPO, GRPO, DPO and their variants."""
+    _quiet_libraries()
 
 
 def _overrides(**opts: Any) -> dict[str, Any]:

@@ -88,15 +88,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _check_output_dir(self, resume: Optional[str]) -> None:
-        holds_run = (self.out_dir / "config.json").is_file() or (self.out_dir / "metrics.jsonl").is_file()
+        holds_run = (self.out_dir / "run_config.json").is_file() or (self.out_dir / "metrics.jsonl").is_file()
         if holds_run and resume is None and not self.cfg.overwrite:
             raise GcfError(f"Output folder {self.out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir.")
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if holds_run and resume is None:  # --overwrite: start clean, but never touch other files
-                for name in ("metrics.jsonl", "config.json"):
+                for name in ("metrics.jsonl", "run_config.json"):
                     (self.out_dir / name).unlink(missing_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            (self.out_dir / "run_config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
 
     def _load_task(self) -> Any:
         if self.cfg.task is None:
@@ -138,7 +138,7 @@ class Trainer:
                 if "force_nan_step" in mb and mb["force_nan_step"]:
                     loss = loss * float("nan")  # test hook: a forced non-finite loss
                 (loss * scale).backward()
-            loss_total += float(loss)
+            loss_total += float(loss.detach())
             mask = engine.effective_mask(mb)
             k = int(mask.sum())
             n_tok += k
