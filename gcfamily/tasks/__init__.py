@@ -1,0 +1,58 @@
+"""Built-in tasks: offline problem generators with references and rewards (plus GSM8K from the hub)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from gcfamily.errors import GcfError
+from gcfamily.tasks.arithmetic import ArithmeticTask
+from gcfamily.tasks.base import Task
+from gcfamily.tasks.countdown import CountdownTask, countdown_reward, parse_expression
+from gcfamily.tasks.gsm8k import GSM8KTask, gsm8k_row
+from gcfamily.tasks.sorting import SortingTask, sorting_partial_reward, sorting_reward
+
+DEFAULT_TASK = "arithmetic"
+
+TASKS: dict[str, type[Task]] = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "sorting": SortingTask,
+    "gsm8k": GSM8KTask,
+}
+
+
+def task_options(name: str) -> list[str]:
+    """The option names a task accepts (its constructor's keywords besides ``seed``)."""
+    params = inspect.signature(TASKS[name].__init__).parameters
+    return [p for p in params if p not in ("self", "seed")]
+
+
+def get_task(name: str, seed: int = 0, **options: Any) -> Task:
+    """Build the task called ``name``; unknown names or options raise GcfError listing what exists."""
+    if name not in TASKS:
+        raise GcfError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}.")
+    known = task_options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        listed = ", ".join(map(repr, unknown))
+        raise GcfError(f"task '{name}' has no option {listed}; its options are {', '.join(known)}.")
+    return TASKS[name](seed=seed, **options)
+
+
+__all__ = [
+    "DEFAULT_TASK",
+    "TASKS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "GSM8KTask",
+    "SortingTask",
+    "Task",
+    "countdown_reward",
+    "get_task",
+    "gsm8k_row",
+    "parse_expression",
+    "sorting_partial_reward",
+    "sorting_reward",
+    "task_options",
+]
