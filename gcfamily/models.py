@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -97,7 +98,10 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # a model loaded from GGUF may refuse save_pretrained: build a plain one and copy the weights in
-    plain = type(src)(src.config)
+    config = copy.deepcopy(src.config)
+    if hasattr(config, "quantization_config"):  # the weights are dequantized: save a plain float checkpoint
+        del config.quantization_config
+    plain = type(src)(config)
     missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:
         raise GcfError(f"Converting {gguf_file} failed: missing {missing[:3]}, unexpected {unexpected[:3]}.")
@@ -162,8 +166,6 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
 
 def load_reference(policy: Any) -> Any:
     """A frozen copy of the policy, in eval mode, with no grads."""
-    import copy
-
     ref = copy.deepcopy(policy)
     ref.eval()
     ref.requires_grad_(False)
