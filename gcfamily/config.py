@@ -57,7 +57,7 @@ class Config:
     """token, sequence, sum or constant; None takes the method's default (see engine.py)."""
     norm_constant: float = 1.0
     """Per-sequence constant of the "constant" normalisation (Dr. GRPO uses the max length)."""
-    chunk_size: int = 1024
+    chunk_size: int = 256
     """Rows of the output projection computed at a time in the log-prob path."""
     max_length: int = 512
     """Longest prompt + completion in tokens for offline data."""

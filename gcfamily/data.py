@@ -65,10 +65,9 @@ def check_sft_row(row: dict[str, Any], i: int) -> dict[str, Any]:
             raise GcfError(f"Row {i}: the last message must be a non-empty assistant message (the completion).")
         return {"prompt": msgs[:-1], "completion": str(msgs[-1]["content"])}
     for col in ("prompt", "completion"):
-        if col not in row:
-            raise GcfError(f"Row {i} has no '{col}' column; SFT rows need 'prompt' and 'completion' (or 'messages').")
-        if row[col] is None or (isinstance(row[col], str) and not row[col].strip()):
-            raise GcfError(f"Row {i} has an empty '{col}'; every row needs a non-empty {col}.")
+        # a file-backed dataset fills a column absent from one row with None, so both read alike
+        if row.get(col) is None or (isinstance(row[col], str) and not row[col].strip()):
+            raise GcfError(f"Row {i} has a missing or empty '{col}'; SFT rows need a non-empty 'prompt' and 'completion' (or 'messages').")
     return {"prompt": row["prompt"], "completion": str(row["completion"])}
 
 

@@ -129,7 +129,7 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> TokenLogprobs:
     """Log-probs of the taken tokens, computed only where loss_mask is on and in chunks.
 
