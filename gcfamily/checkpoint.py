@@ -78,6 +78,7 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
     tmp.mkdir()
     save_file(weights, str(tmp / "model.safetensors"))
     torch.save(state, tmp / "state.pt")
+    _test_pause()
     (tmp / MARKER).write_text(str(step))
     _fsync_dir(tmp)
     if final.exists():
@@ -87,6 +88,15 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _test_pause() -> None:
+    # test hook: hold the write open between the files and the marker so a test can SIGKILL it there
+    pause = os.environ.get("GCF_TEST_CHECKPOINT_PAUSE")
+    if pause:
+        import time
+
+        time.sleep(float(pause))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -28,7 +28,7 @@ class GcfGroup(click.Group):
         try:
             return super().invoke(ctx)
         except GcfError as e:
-            _fail(str(e))
+            _fail(str(e), getattr(e, "exit_code", 2))
         except KeyboardInterrupt:
             _fail("interrupted.", 130)
 
@@ -148,6 +148,11 @@ def eval_cmd(model: str, task: str, samples: int, max_new_tokens: int, seed: int
     acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
     n = len(t.rows("test", samples))
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
+
+
+from gcfamily.theory.cli import theory  # noqa: E402
+
+main.add_command(theory)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from gcfamily import checkpoint, engine
 from gcfamily.config import Config, to_dict, validate
 from gcfamily.data import split_batch, to_device
-from gcfamily.errors import GcfError
+from gcfamily.errors import GcfError, Interrupted
 from gcfamily.logger import RunLogger
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method, gc_stats
@@ -217,7 +217,8 @@ class Trainer:
                     self.save_checkpoint()
                 if self._stop_signal:
                     self.save_checkpoint()
-                    raise GcfError(f"Stopped by {self._stop_signal} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.")
+                    code = 128 + int(getattr(signal, self._stop_signal, signal.SIGTERM))
+                    raise Interrupted(f"Stopped by {self._stop_signal} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
             if cfg.eval_at_ends:
                 self.logger.log(self.step, self.evaluate())
             self.save_checkpoint()

@@ -1,0 +1,174 @@
+"""Exact resume, signals, SIGKILL mid-checkpoint, and non-finite steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gcfamily.config import Config
+from gcfamily.errors import GcfError, Interrupted
+from gcfamily.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(tmp: Path, method: str = "sft", **kw) -> Config:
+    base = dict(method=method, model="tiny", task="arithmetic", max_steps=4, lr=1e-3, batch_size=4, micro_batch_size=2,
+                output_dir=str(tmp), progress=False, lr_schedule="cosine", warmup_steps=1, save_every=0)
+    base.update(kw)
+    return Config(**base)
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_policy().state_dict().items()}
+
+
+def _interrupt_at(trainer: Trainer, step: int) -> None:
+    orig = trainer.method.after_step
+
+    def after(s: int):
+        if s == step:
+            trainer._stop_signal = "SIGTERM"
+        return orig(s)
+
+    trainer.method.after_step = after
+
+
+# GRPO and DPO join this list as they land; each must resume bitwise
+RESUME_METHODS = [("sft", {})]
+try:
+    from gcfamily.methods import METHODS
+
+    if "grpo" in METHODS:
+        RESUME_METHODS.append(("grpo", {"group_size": 4, "batch_size": 2, "max_new_tokens": 6, "mu": 2}))
+    if "dpo" in METHODS:
+        RESUME_METHODS.append(("dpo", {"batch_size": 2}))
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.mark.parametrize("method,extra", RESUME_METHODS, ids=[m for m, _ in RESUME_METHODS])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, extra):
+    whole = Trainer(_cfg(tmp_path / "a", method, **extra))
+    whole.run()
+    cut = Trainer(_cfg(tmp_path / "b", method, **extra))
+    _interrupt_at(cut, 2)
+    with pytest.raises(Interrupted, match="--resume"):
+        cut.run()
+    resumed = Trainer(_cfg(tmp_path / "b", method, **extra), resume="latest")
+    assert resumed.step == 2
+    resumed.run()
+    a, b = _params(whole), _params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
+
+
+def test_forced_non_finite_step_is_skipped_and_counted(tmp_path):
+    t = Trainer(_cfg(tmp_path, max_steps=3, max_bad_steps=3))
+    data = t.method.data
+
+    def poisoned(step: int):
+        b = data(step)
+        if step == 1:
+            b["force_nan_step"] = True
+        return b
+
+    t.method.data = poisoned
+    before = {}
+    orig_step = t.optimizer_step
+
+    def spy(batch):
+        before["p"] = _params(t)
+        out = orig_step(batch)
+        if out["skipped"]:
+            after = _params(t)
+            assert all(torch.equal(before["p"][k], after[k]) for k in after)  # weights untouched
+        return out
+
+    t.optimizer_step = spy
+    t.run()
+    from conftest import metrics_rows
+
+    rows = metrics_rows(tmp_path)
+    assert rows[1]["skipped"] == 1.0 and rows[-1]["skipped_steps"] == 1.0
+    assert rows[0]["skipped"] == 0.0 and rows[2]["skipped"] == 0.0
+
+
+def test_consecutive_non_finite_steps_stop_with_checkpoint_intact(tmp_path):
+    t = Trainer(_cfg(tmp_path, max_steps=6, max_bad_steps=2, save_every=1))
+    data = t.method.data
+    t.method.data = lambda s: {**data(s), "force_nan_step": s >= 2}
+    with pytest.raises(GcfError, match="consecutive steps had a non-finite"):
+        t.run()
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-2", "step-3"]  # steps 1-2 good, step 3 skipped (weights untouched), step 4 stops
+    w2 = load_file(str(tmp_path / "checkpoints" / "step-2" / "model.safetensors"))
+    w3 = load_file(str(tmp_path / "checkpoints" / "step-3" / "model.safetensors"))
+    assert all(torch.isfinite(v).all() and torch.equal(v, w3[k]) for k, v in w2.items())
+
+
+def _gcf_proc(out: Path, steps: int, extra_env: dict | None = None, resume: bool = False) -> subprocess.Popen:
+    args = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--max-steps", str(steps),
+            "--output-dir", str(out), "--set", "lr=1e-3", "--set", "batch_size=4", "--set", "save_every=1",
+            "--set", "progress=false", "--set", "lr_schedule=cosine"]
+    if resume:
+        args.append("--resume")
+    env = {**os.environ, **(extra_env or {})}
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout: float = 120.0) -> None:
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout:
+            raise TimeoutError
+        time.sleep(0.05)
+
+
+def test_sigkill_during_checkpoint_write_then_resume_matches(tmp_path):
+    ref = _gcf_proc(tmp_path / "ref", 4)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    out = tmp_path / "run"
+    p = _gcf_proc(out, 4, {"GCF_TEST_CHECKPOINT_PAUSE": "30"})
+    # the first checkpoint write pauses between its files and its marker: kill it right there
+    _wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-1-*/state.pt")) if (out / "checkpoints").exists() else False)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert not list((out / "checkpoints").glob("step-*"))  # nothing complete to pick up
+    r = _gcf_proc(out, 4, resume=True)
+    r.wait(timeout=300)
+    assert r.returncode != 0 and "No complete checkpoint" in r.stderr.read()
+    # a second kill, now mid-write of step 2's checkpoint, after step 1's landed
+    q = subprocess.Popen([sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--max-steps", "4",
+                          "--output-dir", str(out), "--overwrite", "--set", "lr=1e-3", "--set", "batch_size=4",
+                          "--set", "save_every=1", "--set", "progress=false", "--set", "lr_schedule=cosine"],
+                         cwd=ROOT, env={**os.environ, "GCF_TEST_CHECKPOINT_PAUSE": "3"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-2-*/state.pt")))
+    q.send_signal(signal.SIGKILL)
+    q.wait(timeout=60)
+    assert [x.name for x in (out / "checkpoints").glob("step-*")] == ["step-1"]
+    r = _gcf_proc(out, 4, resume=True)
+    assert r.wait(timeout=300) == 0, r.stderr.read()
+    a = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    p = _gcf_proc(out, 10_000)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
+    p.send_signal(signal.SIGTERM)
+    code = p.wait(timeout=120)
+    err = p.stderr.read()
+    assert code == 128 + signal.SIGTERM and "--resume" in err and "Traceback" not in err
+    assert list((out / "checkpoints").glob("step-*/COMPLETE"))
+    r = _gcf_proc(out, 1, resume=True)  # already past step 1: resumes and finishes at once
+    assert r.wait(timeout=300) == 0, r.stderr.read()
