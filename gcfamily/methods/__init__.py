@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 # name -> "module:Class"; a new method adds one line here
 METHODS: dict[str, str] = {
     "sft": "gcfamily.methods.sft:SFT",
+    "dpo": "gcfamily.methods.dpo:DPO",
+    "ipo": "gcfamily.methods.dpo:IPO",
+    "cdpo": "gcfamily.methods.dpo:ConservativeDPO",
+    "simpo": "gcfamily.methods.dpo:SimPO",
 }
 
 

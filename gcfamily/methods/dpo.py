@@ -1,0 +1,204 @@
+"""Direct preference optimisation and its variants: one pair loss, two hooks.
+
+DPO (Rafailov et al. 2023, "Direct Preference Optimization", arXiv:2305.18290), per pair (q, o_w, o_l):
+
+    h(o)  = beta * sum_t log(pi(o_t | q, o_<t) / pi_ref(o_t | q, o_<t))     implicit reward
+    m     = h(o_w) - h(o_l)                                                 margin
+    loss  = -log sigmoid(m)
+    J     = -sum_pairs loss / Z,   Z = pairs in the step                    ("sum" normalisation)
+    GC    = -dloss/dm * dh/dlogp_t = +beta * sigmoid(h_l - h_w) on o_w's tokens, the negative on o_l's
+
+Layout: a pair is one example over two adjacent rows, chosen at 2i and rejected at 2i+1, each of
+example weight 1/2 so that Z counts pairs; micro-batches never split a pair, so chosen and
+rejected go through the policy in one forward.
+
+A variant overrides one of two hooks, which `coefficient`, `objective` and `metrics` all use:
+`rewards` (h per row and dh/dlogp_t) or `pair_loss` (loss per pair and dloss/dm). SimPO, which
+changes both the reward and the margin, overrides the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gcfamily.config import Config
+from gcfamily.data import check_preference_row, collate, default_pad_id, epoch_indices, load_rows
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Batch, Method, iter_chunks
+from gcfamily.preferences import encode_preferences, preference_rows, split_implicit_prompt
+
+
+class DPO(Method):
+    """DPO (Rafailov et al. 2023, arXiv:2305.18290): loss -log sigmoid(h_w - h_l), h = beta * sum_t log(pi/pi_ref).
+
+    GC = +beta * sigmoid(h_l - h_w) on o_w's tokens and the negative on o_l's (derivation in the module docstring).
+    """
+
+    name = "dpo"
+    data_source = "preference pairs (prompt, chosen, rejected); offline: the task's answer vs a wrong one"
+    gc_formula = "+beta*sigmoid(h_l - h_w) on chosen tokens, the negative on rejected; h = beta*sum_t log(pi/pi_ref)"
+    default_norm = "sum"
+    rows_per_example = 2
+    uses_reference = True
+    """Whether h needs pi_ref log-probs (computed once per pair in `setup`)."""
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        if cfg.beta <= 0:
+            raise GcfError(f"{cfg.method} needs beta > 0 (got {cfg.beta}); 0.1 is usual for DPO.")
+        if cfg.loss_norm not in (None, "sum"):
+            raise GcfError(f"{cfg.method} sums log-probs over each completion; loss_norm must be sum (got {cfg.loss_norm}).")
+
+    # -- data ------------------------------------------------------------------------
+    def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        super().setup(trainer)
+        cfg = self.cfg
+        if cfg.dataset:
+            raw = load_rows(cfg.dataset, cfg.dataset_split)
+            rows = [check_preference_row(split_implicit_prompt(r), i) for i, r in enumerate(raw)]
+        elif trainer.task is not None:
+            rows = preference_rows(trainer.task, None, cfg.seed)
+        else:
+            raise GcfError(f"{cfg.method} needs preference pairs: pass --dataset PATH_OR_NAME with prompt/chosen/rejected columns, or --task NAME.")
+        self.pairs, self.skipped = encode_preferences(trainer.tokenizer, rows, cfg.max_length, cfg.long_prompts)
+        if not self.pairs:
+            raise GcfError(f"Every prompt was longer than max_length={cfg.max_length}; raise max_length.")
+        self.pad_id = default_pad_id(trainer.tokenizer)
+        self.ref: dict[tuple[int, int], torch.Tensor] = self._reference_logps(trainer) if self.uses_reference else {}
+
+    def _reference_logps(self, trainer) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
+        """pi_ref log-probs of the completion tokens of every pair this run trains on, computed once.
+
+        setup runs before any update (and before a resumed checkpoint is loaded), so the policy
+        here IS the reference: no copy is made and no reference model stays in memory.
+        """
+        cfg, n = self.cfg, len(self.pairs)
+        # steps 0..max_steps-1 read the first max_steps*batch_size positions of the data order
+        used = sorted(set(epoch_indices(n, cfg.seed, 0, min(n, cfg.max_steps * cfg.batch_size))))
+        rows = sorted(((i, s) for i in used for s in (1, 2)), key=lambda r: len(self.pairs[r[0]][0]) + len(self.pairs[r[0]][r[1]]))
+        model = trainer.policy
+        was_training = model.training
+        model.eval()
+        ref = {}
+        for chunk in iter_chunks(rows, cfg.micro_batch_size):  # length-sorted: little padding
+            lp = trainer.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
+            for b, (i, s) in enumerate(chunk):
+                start = len(self.pairs[i][0])
+                ref[(i, s)] = lp[b, start : start + len(self.pairs[i][s])].clone()
+        model.train(was_training)
+        return ref
+
+    def data(self, step: int) -> Batch:
+        idx = epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
+        rows = [(i, s) for i in idx for s in (1, 2)]  # chosen at 2k, rejected at 2k+1
+        batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
+        batch["example_weight"] = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
+        if self.uses_reference:
+            ref = torch.zeros(batch["input_ids"].shape)  # [B, L]
+            for b, (i, s) in enumerate(rows):
+                if (i, s) not in self.ref:
+                    raise GcfError(f"Pair {i} has no reference log-probs (step {step} is past max_steps={self.cfg.max_steps}); raise max_steps and resume.")
+                start = len(self.pairs[i][0])
+                ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
+            batch["ref_logps"] = ref
+        batch["stat/skipped_long_prompts"] = float(self.skipped)
+        return batch
+
+    # -- the rule --------------------------------------------------------------------
+    def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Implicit reward h per row [B] and dh/dlogp_t [B, L]: h = beta * sum_t (logps - ref_logps)."""
+        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        h = self.cfg.beta * ((logps - batch["ref_logps"]) * mask).sum(-1)  # [B]
+        return h, self.cfg.beta * mask
+
+    def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss per pair [P] and its derivative in the margin: -log sigmoid(m), -sigmoid(-m)."""
+        return -F.logsigmoid(margin), -torch.sigmoid(-margin)
+
+    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        h, dh = self.rewards(batch, logps)
+        _, dloss = self.pair_loss(h[0::2] - h[1::2])  # [P]
+        dJ_dh = torch.stack([-dloss, dloss], 1).flatten()  # [B]: dm/dh is +1 on chosen, -1 on rejected
+        return dJ_dh[:, None] * dh  # [B, L]
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        h, _ = self.rewards(batch, logps)
+        loss, _ = self.pair_loss(h[0::2] - h[1::2])
+        return -loss.sum() / Z
+
+    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
+        h, _ = self.rewards(batch, logps)
+        m = h[0::2] - h[1::2]  # [P]
+        loss, _ = self.pair_loss(m)
+        seq = (logps * batch["loss_mask"]).sum(-1)  # [B]
+        return {
+            "dpo/loss": float(loss.mean()), "dpo/reward_accuracy": float((m > 0).float().mean()), "dpo/margin": float(m.mean()),
+            "dpo/chosen_rewards": float(h[0::2].mean()), "dpo/rejected_rewards": float(h[1::2].mean()),
+            "dpo/chosen_logps": float(seq[0::2].mean()), "dpo/rejected_logps": float(seq[1::2].mean()),
+        }
+
+
+class IPO(DPO):
+    """IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
+    arXiv:2310.12036, eq. 17): regress the log-ratio gap onto 1/(2 beta) instead of pushing it to infinity.
+
+    loss = (d - 1/(2 beta))^2,  d = Delta_w - Delta_l,  Delta = sum_t log(pi/pi_ref)  (sequence sums, as
+    in the paper; TRL's `ipo` averages the log-ratios per token instead). With DPO's m = beta * d:
+    loss = ((m - 1/2) / beta)^2.
+    GC = 1/beta - 2 d on o_w's tokens, the negative on o_l's.
+    """
+
+    name = "ipo"
+    gc_formula = "+(1/beta - 2 d) on chosen tokens, the negative on rejected; d = sum_t log(pi/pi_ref) over chosen minus rejected"
+
+    def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gap = (margin - 0.5) / self.cfg.beta  # d - 1/(2 beta)
+        return gap**2, 2 * gap / self.cfg.beta
+
+
+class ConservativeDPO(DPO):
+    """cDPO (Mitchell 2023, "A note on DPO with noisy preferences & relationship to IPO"): each label is
+    flipped with probability eps (label_smoothing).
+
+    loss = -(1 - eps) log sigmoid(m) - eps log sigmoid(-m),  m as in DPO.
+    GC = beta * ((1 - eps) sigmoid(-m) - eps sigmoid(m)) on o_w's tokens, the negative on o_l's; it is 0
+    where sigmoid(m) = 1 - eps, so the margin stops growing there.
+    """
+
+    name = "cdpo"
+    gc_formula = "+beta*((1-eps)*sigmoid(h_l - h_w) - eps*sigmoid(h_w - h_l)) on chosen tokens, the negative on rejected"
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)
+        if not 0 <= cfg.label_smoothing < 0.5:
+            raise GcfError(f"cdpo needs 0 <= label_smoothing < 0.5 (got {cfg.label_smoothing}); 0.1 is usual.")
+
+    def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.label_smoothing
+        loss = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
+        return loss, -(1 - eps) * torch.sigmoid(-margin) + eps * torch.sigmoid(margin)
+
+
+class SimPO(DPO):
+    """SimPO (Meng, Xia & Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward",
+    arXiv:2405.14734): a length-normalised reward with no reference model, and a target margin gamma.
+
+    h = (beta / |o|) sum_t log pi(o_t | q, o_<t),  loss = -log sigmoid(h_w - h_l - gamma).
+    GC = +(beta / |o_w|) sigmoid(gamma - h_w + h_l) on o_w's tokens, -(beta / |o_l|) * the same on o_l's.
+    gamma is the paper's margin (simpo_gamma); TRL's CPO `simpo_gamma` is gamma / beta. No reference
+    model is loaded or run.
+    """
+
+    name = "simpo"
+    gc_formula = "+(beta/|o_w|)*sigmoid(gamma - h_w + h_l) on chosen tokens, -(beta/|o_l|)*the same on rejected; h = (beta/|o|)*sum_t log pi"
+    uses_reference = False
+
+    def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        dh = self.cfg.beta * mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]
+        return (dh * logps).sum(-1), dh
+
+    def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().pair_loss(margin - self.cfg.simpo_gamma)
