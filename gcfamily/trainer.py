@@ -184,7 +184,7 @@ class Trainer:
     def run(self) -> Path:
         """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
         cfg = self.cfg
-        self._install_signal_handlers()
+        previous_handlers = self._install_signal_handlers()
         bar = self._progress()
         try:
             if cfg.eval_at_ends and self.step == 0:
@@ -224,6 +224,8 @@ class Trainer:
             self.save_checkpoint()
             self.save_final()
         finally:
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
             if bar is not None:
                 bar.close()
             self.logger.close()
@@ -283,13 +285,17 @@ class Trainer:
         self.tokenizer.save_pretrained(self.out_dir)
 
     # ------------------------------------------------------------------ signals and progress
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """Turn SIGTERM/SIGINT into a checkpoint at the end of the step; returns the old handlers."""
+
         def handler(signum: int, _frame: Any) -> None:
             self._stop_signal = signal.Signals(signum).name
 
+        previous: dict[int, Any] = {}
         with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test runner thread)
-            signal.signal(signal.SIGTERM, handler)
-            signal.signal(signal.SIGINT, handler)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, handler)
+        return previous
 
     def _progress(self) -> Any:
         if not (self.cfg.progress and self.is_main):

@@ -7,6 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# tiny models gain nothing from a second thread, and on a shared 2-core machine two
+# threads contending with another process run many times slower than one
+torch.set_num_threads(1)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
