@@ -1,0 +1,185 @@
+"""Training a bandit policy with a real method class, through the real engine.
+
+The bandit replaces the rollout and the reward function; everything else is production code:
+
+    method.setup(runner)                 # GRPO: the frozen reference is a copy of the policy
+    batch = method.prepare(batch)        # the method's advantages; pi_ref log-probs via the engine
+    logps = engine.token_logprobs(...)   # [N, 2], the log-prob of the output at position 1
+    coef  = method.coefficient(batch, logps.detach())
+    loss  = engine.weighted_loss(coef * weight, logps, batch, method.norm, Z); loss.backward()
+
+Sampled mode draws groups from the current policy (weight = 1). Exact mode puts every possible
+group in the batch and weights each row by its group's probability: the loss is linear in the
+coefficient, so its gradient is then exactly the expected gradient of the sampled loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from gcfamily import engine
+from gcfamily.config import Config
+from gcfamily.errors import GcfError
+from gcfamily.methods import get_method
+from gcfamily.methods.base import Batch, Method
+from gcfamily.theory import predictions
+from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, make_batch, sample_groups
+from gcfamily.theory.variants import prediction_for
+from gcfamily.trainer import Trainer
+
+
+class BanditRunner:
+    """The part of the Trainer that a method's setup and prepare read, around a bandit policy."""
+
+    logprobs = Trainer.logprobs  # the trainer's own no-grad log-prob pass (pi_old, pi_ref)
+
+    def __init__(self, cfg: Config, policy: BanditLM, problem: BanditProblem) -> None:
+        self.cfg, self.policy, self.task = cfg, policy, problem
+        self.device = torch.device("cpu")
+        self.tokenizer = None
+
+    def unwrapped_policy(self) -> BanditLM:
+        return self.policy
+
+
+def bandit_config(method: str, G: int, beta: float, std: str = "population", **settings: Any) -> Config:
+    """Settings for a method on a bandit: one-token completions, the whole batch in one pass."""
+    if int(G) != G or G < 2:
+        raise GcfError(f"group size G={G} must be an integer >= 2.")
+    if not beta > 0:
+        raise GcfError(f"beta={beta} must be > 0 (the stationary policy needs a KL term).")
+    if std not in ("population", "sample"):
+        raise GcfError(f"std={std!r} is unknown; use population or sample.")
+    cfg = Config(method=method, task=None, group_size=int(G), beta=float(beta), std=std, max_new_tokens=1,
+                 micro_batch_size=1 << 30, chunk_size=1 << 30, progress=False, **settings)
+    get_method(method).validate(cfg)  # fills method defaults (Dr. GRPO's norm_constant = max_new_tokens = 1)
+    return cfg
+
+
+def build_method(cfg: Config, problem: BanditProblem, policy: Optional[BanditLM] = None) -> tuple[Method, BanditRunner]:
+    """The method class of cfg.method, set up on a bandit policy (at pi_ref unless given)."""
+    policy = policy if policy is not None else problem.policy()
+    runner = BanditRunner(cfg, policy, problem)
+    method = get_method(cfg.method)(cfg)
+    method.setup(runner)
+    return method, runner
+
+
+def backward(method: Method, policy: BanditLM, batch: Batch, Z: float, weight: Optional[torch.Tensor] = None) -> float:
+    """The engine's weighted backward on a prepared batch; weight [N] scales each row's coefficient."""
+    out = engine.token_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                method.logprob_temperature(), method.cfg.chunk_size)
+    coef = method.coefficient(batch, out.logps.detach())  # [N, 2]
+    if weight is not None:  # the expectation over groups: linear in the coefficient
+        coef = coef * weight[:, None]
+    loss = engine.weighted_loss(coef, out.logps, batch, method.norm, Z)
+    loss.backward()
+    return float(loss.detach())
+
+
+def step_normaliser(method: Method, problem: BanditProblem) -> float:
+    """Z of a sampled step with one group per prompt: exact mode's loss is its expectation."""
+    G = method.cfg.group_size
+    rows = make_batch(torch.arange(problem.P).repeat_interleave(G), torch.zeros(problem.P * G, dtype=torch.long),
+                      torch.zeros(problem.P * G))
+    return engine.normaliser([rows], method.norm, method.cfg.norm_constant)
+
+
+def exact_gradient(method: Method, runner: BanditRunner, enum: GroupEnumeration, Z: float) -> torch.Tensor:
+    """d loss / d logits [P, K] of the expected loss over groups at the current policy."""
+    if method.cfg.zero_std == "exclude":
+        raise GcfError("exact expected gradients need zero_std=keep: excluding groups makes Z random.")
+    policy = runner.policy
+    policy.zero_grad(set_to_none=True)
+    batch = method.prepare(enum.batch())
+    backward(method, policy, batch, Z, enum.weights(policy))
+    return policy.head.weight.grad.t().clone()  # [P, K]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the duration: the bandit's tensors are tiny, and on a busy
+    machine waiting for intra-op threads costs far more than the work (about 10x here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@dataclass
+class TrainResult:
+    """A trained bandit policy and how it got there."""
+
+    pi: np.ndarray  # [P, K] final policy (sampled mode: the average over the last half of the steps)
+    steps: int  # steps taken
+    grad_max: float  # max |expected gradient| per prompt at the end (exact mode), else nan
+    history: list[float] = field(default_factory=list)  # max |grad| (exact) or loss (sampled) per step
+
+
+def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps: int = 3000, lr: Optional[float] = None,
+                 groups_per_prompt: int = 32, seed: int = 0, tol: float = 1e-7) -> TrainResult:
+    """Gradient ascent on the bandit's logits with the method of cfg.method, from pi_ref.
+
+    exact: the exact expected gradient, plain gradient steps with lr per prompt (the loss
+    averages over the P prompts, so the SGD rate is lr * P), stopping once every prompt's
+    expected gradient is below tol. Sampled: groups_per_prompt groups of G per prompt per step,
+    SGD, and the policy averaged over the second half of the steps (Polyak averaging).
+    """
+    with one_thread():
+        return _train(problem, cfg, exact, steps, lr, groups_per_prompt, seed, tol)
+
+
+def _train(problem: BanditProblem, cfg: Config, exact: bool, steps: int, lr: Optional[float], groups_per_prompt: int,
+           seed: int, tol: float) -> TrainResult:
+    method, runner = build_method(cfg, problem)
+    policy = runner.policy
+    lr = lr if lr is not None else (1.0 if exact else 0.1) / cfg.beta
+    opt = torch.optim.SGD(policy.parameters(), lr=lr * problem.P)
+    Z_exact = step_normaliser(method, problem)
+    enum = GroupEnumeration(problem, cfg.group_size) if exact else None
+    gen = torch.Generator().manual_seed(seed)
+    history: list[float] = []
+    avg, n_avg = np.zeros((problem.P, problem.K)), 0
+    grad_max = float("nan")
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if enum is not None:
+            g = exact_gradient(method, runner, enum, Z_exact)
+            grad_max = float(g.abs().max()) * problem.P
+            history.append(grad_max)
+            if grad_max < tol:
+                return TrainResult(policy.probs().numpy(), step, grad_max, history)
+        else:
+            batch = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
+            history.append(backward(method, policy, batch, engine.normaliser([batch], method.norm, cfg.norm_constant)))
+        opt.step()
+        if not exact and step >= steps // 2:
+            avg, n_avg = avg + policy.probs().numpy(), n_avg + 1
+    pi = avg / n_avg if n_avg else policy.probs().numpy()
+    return TrainResult(pi, steps, grad_max, history)
+
+
+def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float, std: str = "population",
+                     variant: Optional[str] = None) -> np.ndarray:
+    """The predicted stationary policy [P, K] of `method` (or of an explicit predictions variant)."""
+    pred = prediction_for(method)
+    variant = variant or pred.variant
+    s = pred.adv_scale(G) if G is not None else 1.0
+    return np.stack([predictions.grpo_stationary(problem.pi_ref[q], problem.rewards[q], G, beta / s, std,
+                                                 problem.bernoulli, variant).pi for q in range(problem.P)])
+
+
+def predicted_gradient(problem: BanditProblem, method: str, logits: np.ndarray, G: int, beta: float,
+                       std: str = "population") -> np.ndarray:
+    """predictions.expected_gradient [P, K] (ascent, per prompt) for `method` at the given logits."""
+    pred = prediction_for(method)
+    s = pred.adv_scale(G)
+    return np.stack([s * predictions.expected_gradient(logits[q], problem.pi_ref[q], problem.rewards[q], G, beta / s,
+                                                       std, problem.bernoulli, pred.variant) for q in range(problem.P)])
