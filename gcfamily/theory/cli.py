@@ -83,8 +83,9 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
             main_res = res
     want = predicted_policy(problem, method, G, beta, std)
     got = trained[beta]
-    status = (f"converged: max |expected gradient| {main_res.grad_max:.1e}" if main_res.steps < steps else
-              f"max |expected gradient| {main_res.grad_max:.1e} (not below tolerance: raise --steps)") if exact else "policy averaged over the second half"
+    status = (f"converged: max |expected gradient / pi| {main_res.residual:.1e}" if main_res.steps < steps else
+              f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps or lower --lr)"
+              ) if exact else "policy averaged over the second half"
     click.echo(f"beta={beta:g}: {main_res.steps} steps, {status}\n")
     click.echo(f"{'prompt':<7}{'output':<8}{'pi_ref':>8}{'trained':>11}{'predicted':>11}{'difference':>12}")
     for q in range(problem.P):

@@ -16,6 +16,7 @@ coefficient, so its gradient is then exactly the expected gradient of the sample
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -61,12 +62,18 @@ def bandit_config(method: str, G: int, beta: float, std: str = "population", **s
     return cfg
 
 
-def build_method(cfg: Config, problem: BanditProblem, policy: Optional[BanditLM] = None) -> tuple[Method, BanditRunner]:
-    """The method class of cfg.method, set up on a bandit policy (at pi_ref unless given)."""
-    policy = policy if policy is not None else problem.policy()
-    runner = BanditRunner(cfg, policy, problem)
+def build_method(cfg: Config, problem: BanditProblem, logits: Optional[np.ndarray] = None) -> tuple[Method, BanditRunner]:
+    """The method class of cfg.method, set up on a bandit policy at pi_ref, then moved to `logits`.
+
+    Setup runs at pi_ref because that is where a method takes its reference from (GRPO copies
+    the policy it is set up with).
+    """
+    runner = BanditRunner(cfg, problem.policy(), problem)
     method = get_method(cfg.method)(cfg)
     method.setup(runner)
+    if logits is not None:
+        with torch.no_grad():
+            runner.policy.head.weight.copy_(torch.as_tensor(np.asarray(logits, dtype=float)).t())
     return method, runner
 
 
@@ -119,17 +126,20 @@ class TrainResult:
 
     pi: np.ndarray  # [P, K] final policy (sampled mode: the average over the last half of the steps)
     steps: int  # steps taken
-    grad_max: float  # max |expected gradient| per prompt at the end (exact mode), else nan
-    history: list[float] = field(default_factory=list)  # max |grad| (exact) or loss (sampled) per step
+    residual: float  # exact mode: max over outputs of |expected gradient / pi| at the end, else nan
+    history: list[float] = field(default_factory=list)  # residual (exact) or loss (sampled) per step
 
 
 def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps: int = 3000, lr: Optional[float] = None,
-                 groups_per_prompt: int = 32, seed: int = 0, tol: float = 1e-7) -> TrainResult:
+                 groups_per_prompt: int = 32, seed: int = 0, tol: float = 1e-5) -> TrainResult:
     """Gradient ascent on the bandit's logits with the method of cfg.method, from pi_ref.
 
     exact: the exact expected gradient, plain gradient steps with lr per prompt (the loss
-    averages over the P prompts, so the SGD rate is lr * P), stopping once every prompt's
-    expected gradient is below tol. Sampled: groups_per_prompt groups of G per prompt per step,
+    averages over the P prompts, so the SGD rate is lr * P; the default 1/beta is about the
+    largest stable one, the KL term's curvature being about beta), stopping once the residual
+    max_o |grad_o / pi(o)| = |c(o) - E_pi c| is below tol: it is 0 exactly at a stationary
+    point, where the gradient itself also vanishes at every vertex (the engine's float32
+    log-probs put its floor near 1e-6). Sampled: groups_per_prompt groups of G per prompt per step,
     SGD, and the policy averaged over the second half of the steps (Polyak averaging).
     """
     with one_thread():
@@ -147,33 +157,34 @@ def _train(problem: BanditProblem, cfg: Config, exact: bool, steps: int, lr: Opt
     gen = torch.Generator().manual_seed(seed)
     history: list[float] = []
     avg, n_avg = np.zeros((problem.P, problem.K)), 0
-    grad_max = float("nan")
+    residual = float("nan")
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        if enum is not None:
-            g = exact_gradient(method, runner, enum, Z_exact)
-            grad_max = float(g.abs().max()) * problem.P
-            history.append(grad_max)
-            if grad_max < tol:
-                return TrainResult(policy.probs().numpy(), step, grad_max, history)
+        if enum is not None:  # leaves the expected gradient in the policy's .grad
+            g = exact_gradient(method, runner, enum, Z_exact) * problem.P  # [P, K] per prompt
+            residual = float((g / policy.probs()).abs().max())
+            history.append(residual)
+            if residual < tol:
+                return TrainResult(policy.probs().numpy(), step, residual, history)
         else:
             batch = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
             history.append(backward(method, policy, batch, engine.normaliser([batch], method.norm, cfg.norm_constant)))
+        if not math.isfinite(history[-1]):
+            raise GcfError(f"bandit training diverged at step {step} (lr {lr:g}); lower the learning rate.")
         opt.step()
         if not exact and step >= steps // 2:
             avg, n_avg = avg + policy.probs().numpy(), n_avg + 1
     pi = avg / n_avg if n_avg else policy.probs().numpy()
-    return TrainResult(pi, steps, grad_max, history)
+    return TrainResult(pi, steps, residual, history)
 
 
-def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float, std: str = "population",
-                     variant: Optional[str] = None) -> np.ndarray:
-    """The predicted stationary policy [P, K] of `method` (or of an explicit predictions variant)."""
+def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float,
+                     std: str = "population") -> np.ndarray:
+    """The predicted stationary policy [P, K] of `method` (G=None: G -> infinity)."""
     pred = prediction_for(method)
-    variant = variant or pred.variant
     s = pred.adv_scale(G) if G is not None else 1.0
     return np.stack([predictions.grpo_stationary(problem.pi_ref[q], problem.rewards[q], G, beta / s, std,
-                                                 problem.bernoulli, variant).pi for q in range(problem.P)])
+                                                 problem.bernoulli, pred.variant).pi for q in range(problem.P)])
 
 
 def predicted_gradient(problem: BanditProblem, method: str, logits: np.ndarray, G: int, beta: float,
