@@ -17,6 +17,11 @@ METHODS: dict[str, str] = {
     "ipo": "gcfamily.methods.dpo:IPO",
     "cdpo": "gcfamily.methods.dpo:ConservativeDPO",
     "simpo": "gcfamily.methods.dpo:SimPO",
+    "rft": "gcfamily.methods.rft:RFT",
+    "grpo": "gcfamily.methods.grpo:GRPO",
+    "rloo": "gcfamily.methods.grpo_variants:RLOO",
+    "dr-grpo": "gcfamily.methods.grpo_variants:DrGRPO",
+    "dapo": "gcfamily.methods.grpo_variants:DAPO",
 }
 
 

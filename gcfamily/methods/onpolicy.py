@@ -1,0 +1,149 @@
+"""What every on-policy method shares: prompts -> G sampled completions each -> rewards.
+
+RFT, GRPO and its variants (and PPO later) differ only in what they make of the scored
+samples (`prepare`) and in their coefficient; the data source is this one class:
+
+    prompts  = batch_size rows of the task's train split, picked by (seed, step)
+    rollout  = rollout.generate(policy, G samples per prompt, trainer.generator)
+    rewards  = rewards.score(self.reward_fn, ...)   # a raising sample: valid=False, counted
+
+A sample whose reward failed keeps its row but has valid=False, so the engine gives it no
+gradient and leaves it out of the normaliser Z. If every sample of a step fails, the run
+stops with one sentence naming the reward function (rewards.RewardFailure).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, ClassVar
+
+import torch
+
+from gcfamily.config import FIELDS, Config
+from gcfamily.data import epoch_indices, load_rows, prompt_ids
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Batch, Method
+from gcfamily.rewards import RewardFn, load_reward, score
+from gcfamily.rollout import SamplingSettings, generate
+
+
+class OnPolicy(Method):
+    """Base of the methods that train on their own samples; subclasses write prepare/coefficient."""
+
+    data_source = "the policy's own samples: G completions per prompt, scored by the reward"
+    setting_defaults: ClassVar[dict[str, Any]] = {}
+    """This method's defaults for settings left at their Config default, e.g. {"norm_constant":
+    lambda cfg: cfg.max_new_tokens}. Filled in by `validate`, which runs before the settings are
+    saved, so run_config.json records the values that ran."""
+
+    # -- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        for key, value in cls.setting_defaults.items():
+            if getattr(cfg, key) == FIELDS[key].default:
+                setattr(cfg, key, value(cfg) if callable(value) else value)
+        if cfg.group_size < 1:
+            raise GcfError("Invalid setting: group_size must be >= 1.")
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        cfg = self.cfg
+        if cfg.dataset:
+            self.rows = load_rows(cfg.dataset, cfg.dataset_split)
+        elif trainer.task is not None:
+            self.rows = trainer.task.rows("train")
+        else:
+            raise GcfError(f"{self.name} needs prompts: pass --task NAME or --dataset PATH with a 'prompt' column.")
+        if not self.rows or "prompt" not in self.rows[0]:
+            raise GcfError(f"The prompts of {self.name} need a 'prompt' column; the data has {sorted(self.rows[0]) if self.rows else 'no rows'}.")
+        self.reward_fn: RewardFn = self.build_reward_fn()
+        self.warned_reward = False
+        self.sampling = SamplingSettings(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop_strings),
+        )
+
+    def build_reward_fn(self) -> RewardFn:
+        """The reward hook: --reward (built-in name or module:function), else the task's reward.
+
+        A trained reward model (cfg.reward_model) will plug in here, as a function with the
+        same signature fn(prompts, completions, **columns) -> list[float].
+        """
+        cfg, task = self.cfg, self.trainer.task  # type: ignore[union-attr]
+        if cfg.reward_model:
+            raise GcfError(f"reward_model={cfg.reward_model}: scoring with a trained reward model is not available yet; pass --reward NAME_OR_MODULE:FUNCTION or use a --task's reward.")
+        if cfg.reward:
+            return load_reward(cfg.reward)
+        if task is not None and not cfg.dataset:
+            return task.reward
+        raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for --dataset {cfg.dataset}.")
+
+    # -- the data source -------------------------------------------------------------
+    def data(self, step: int) -> Batch:
+        """batch_size prompts (deterministic in seed and step), G samples each, scored."""
+        cfg, trainer = self.cfg, self.trainer
+        G = cfg.group_size
+        rows = [self.rows[i] for i in epoch_indices(len(self.rows), cfg.seed, step, cfg.batch_size)]
+        policy = trainer.unwrapped_policy()
+        was_training = policy.training
+        policy.eval()
+        try:
+            ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], G, self.sampling, trainer.generator)
+        finally:
+            policy.train(was_training)
+        # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
+        prompts = [r["prompt"] for r in rows for _ in range(G)]
+        columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
+        rewards, valid, errors = score(self.reward_fn, prompts, ro.completions, columns)  # [N], [N]
+        ok = valid.float()
+        n_ok = max(float(ok.sum()), 1.0)
+        mean = float((rewards * ok).sum()) / n_ok
+        lengths = ro.completion_lengths.float().cpu()  # [N]
+        batch: Batch = {
+            "input_ids": ro.input_ids.cpu(),  # [N, L]
+            "attention_mask": ro.attention_mask.cpu(),  # [N, L]
+            "loss_mask": ro.completion_mask.cpu(),  # [N, L]
+            "sample_logps": ro.sample_logps.cpu(),  # [N, L]
+            "rewards": rewards,  # [N]
+            "valid": valid,  # [N]
+            "prompt_index": ro.prompt_index.cpu(),  # [N]
+            "completions": ro.completions,
+            "stat/reward/mean": mean,
+            "stat/reward/std": math.sqrt(float((((rewards - mean) * ok) ** 2).sum()) / n_ok),
+            "stat/reward/failed": float(len(errors)),
+            "stat/completion/length_mean": float(lengths.mean()),
+            "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
+        }
+        if errors and not self.warned_reward:  # once per run; every step's count is in reward/failed
+            self.warned_reward = True
+            print(f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "
+                  "failed samples get no gradient and are counted in reward/failed.", file=sys.stderr)
+        return batch
+
+    def logprob_temperature(self) -> float:
+        """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""
+        return self.cfg.temperature
+
+
+def masked_group_stats(rewards: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, std and count of the valid rewards of each group; rewards/valid are [n, G] -> [n] each.
+
+    Computed in float64 so that a tiny spread does not round to zero. A group with fewer than two
+    valid rewards has std 0 when `unbiased` (the sample std is undefined there).
+    """
+    r, v = rewards.double(), valid.double()  # [n, G]
+    count = v.sum(-1)  # [n]
+    mean = (r * v).sum(-1) / count.clamp(min=1)  # [n]
+    sq = (((r - mean[:, None]) * v) ** 2).sum(-1)  # [n]
+    dof = (count - 1) if unbiased else count
+    std = torch.where(dof > 0, sq / dof.clamp(min=1), torch.zeros_like(sq)).sqrt()  # [n]
+    return mean, std, count
+
+
+def all_equal_groups(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[n] bool: groups whose valid rewards are all equal (or that have fewer than two of them)."""
+    hi = rewards.masked_fill(~valid, -math.inf).amax(-1)  # [n]
+    lo = rewards.masked_fill(~valid, math.inf).amin(-1)  # [n]
+    return (valid.sum(-1) < 2) | (hi <= lo)
+
