@@ -28,6 +28,6 @@ def test_rollout_logps_match_engine_on_cuda():
     model = tiny_model(len(tok), seed=1).cuda().eval()
     ids = [tok("<|user|>1+2\n<|assistant|>")["input_ids"], tok("<|user|>33+4\n<|assistant|>")["input_ids"]]
     ro = generate(model, tok, ids, 4, SamplingSettings(max_new_tokens=12), torch.Generator().manual_seed(0))
-    lp = engine.token_logprobs(model, ro.input_ids.cuda(), ro.attention_mask.cuda(), ro.completion_mask.cuda()).logps
+    lp = engine.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask).logps  # all on the GPU
     m = ro.completion_mask.bool()
-    assert (lp.cpu()[m] - ro.sample_logps[m]).abs().mean() < 1e-4
+    assert ro.input_ids.is_cuda and (lp[m] - ro.sample_logps[m]).abs().mean() < 1e-4
