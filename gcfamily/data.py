@@ -55,38 +55,47 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
     return rows
 
 
+def _is_messages(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in v)
+
+
+def _check_text(v: Any, col: str, i: int, what: str = "Row", allow_messages: bool = False) -> Any:
+    """A non-empty string (numbers are written out), or a message list where allowed; else a clear error."""
+    if allow_messages and isinstance(v, list):
+        if not _is_messages(v):
+            raise GcfError(f"{what} {i}: '{col}' must be a string or a non-empty list of {{role, content}} messages.")
+        return v
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = str(v)
+    if not isinstance(v, str) or not v.strip():
+        # a file-backed dataset fills a column absent from one row with None, so both read alike
+        raise GcfError(f"{what} {i} has a missing or empty '{col}'; it needs a non-empty text {col}.")
+    return v
+
+
 def check_sft_row(row: dict[str, Any], i: int) -> dict[str, Any]:
     """A prompt/completion row, or messages whose last one is the assistant's; errors name the row."""
-    if "messages" in row and row["messages"] is not None:
+    if row.get("messages") is not None:
         msgs = row["messages"]
-        if not isinstance(msgs, list) or len(msgs) < 2 or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        if not _is_messages(msgs) or len(msgs) < 2:
             raise GcfError(f"Row {i}: 'messages' must be a list of at least two {{role, content}} messages.")
         if msgs[-1]["role"] != "assistant" or not str(msgs[-1]["content"]).strip():
             raise GcfError(f"Row {i}: the last message must be a non-empty assistant message (the completion).")
         return {"prompt": msgs[:-1], "completion": str(msgs[-1]["content"])}
-    for col in ("prompt", "completion"):
-        # a file-backed dataset fills a column absent from one row with None, so both read alike
-        if row.get(col) is None or (isinstance(row[col], str) and not row[col].strip()):
-            raise GcfError(f"Row {i} has a missing or empty '{col}'; SFT rows need a non-empty 'prompt' and 'completion' (or 'messages').")
-    return {"prompt": row["prompt"], "completion": str(row["completion"])}
+    prompt = _check_text(row.get("prompt"), "prompt", i, allow_messages=True)
+    completion = _check_text(row.get("completion"), "completion", i)
+    return {"prompt": prompt, "completion": completion}
 
 
 def check_preference_row(row: dict[str, Any], i: int) -> dict[str, Any]:
     """A {prompt, chosen, rejected} row (strings or message lists); errors name the row."""
-    for col in ("prompt", "chosen", "rejected"):
-        v = row.get(col)
-        if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
-            raise GcfError(f"Preference row {i} has a missing or empty '{col}'; every row needs prompt, chosen and rejected.")
-    out = {}
+    what = "Preference row"
+    out = {"prompt": _check_text(row.get("prompt"), "prompt", i, what, allow_messages=True)}
     for col in ("chosen", "rejected"):
-        v = row[col]
+        v = _check_text(row.get(col), col, i, what, allow_messages=True)
         if isinstance(v, list):  # conversational: the completion is the last assistant message
-            v = v[-1]["content"] if isinstance(v[-1], dict) else str(v[-1])
-            if not str(v).strip():
-                raise GcfError(f"Preference row {i} has an empty '{col}' message.")
-        out[col] = str(v)
-    p = row["prompt"]
-    out["prompt"] = p if isinstance(p, (str, list)) else str(p)
+            v = _check_text(v[-1]["content"], col, i, what)
+        out[col] = v
     return out
 
 
