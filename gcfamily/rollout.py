@@ -1,0 +1,296 @@
+"""Sampling G completions per prompt from the policy: batched, KV-cached, one forward per new token.
+
+The loop is written here rather than calling `model.generate` because a trainer needs three things
+generate does not give cheaply: the log-prob each token had when it was sampled, rows that stop
+costing compute as soon as they end, and masks laid out for the engine. Rows that end (EOS or a stop
+string) are dropped from the active batch and their KV-cache rows compacted away, so the last long
+completion does not drag 63 finished ones through every layer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from gcfamily.errors import GcfError
+
+_STOP_CHECK_EVERY = 4  # decode for stop strings every few tokens; a final exact pass fixes the lengths
+_COMPACT_FRACTION = 0.125  # drop ended rows once they are this share of the batch
+
+
+@dataclass
+class SamplingSettings:
+    """How completions are drawn."""
+
+    temperature: float = 1.0
+    """Logits are divided by this before softmax; also the temperature of the recorded `sample_logps`."""
+    top_p: float = 1.0
+    """Nucleus: sample from the smallest set of tokens whose probability sums to at least top_p (1 = off)."""
+    top_k: int = 0
+    """Sample from the k most likely tokens only (0 = off)."""
+    max_new_tokens: int = 64
+    """Completions that reach this length without EOS or a stop string are marked truncated."""
+    greedy: bool = False
+    """Take the argmax; temperature, top_p and top_k are ignored and logps are at temperature 1."""
+    stop_strings: tuple[str, ...] = ()
+    """A completion ends at the token that completes the first of these in its decoded text."""
+
+
+@dataclass
+class Rollout:
+    """Completions laid out for the engine; prompt i's G samples are rows i*G .. i*G+G-1."""
+
+    input_ids: torch.Tensor  # [N, P + C] left-padded prompts then completions (right-padded with pad_id)
+    attention_mask: torch.Tensor  # [N, P + C] 1 on real prompt and completion tokens
+    completion_mask: torch.Tensor  # [N, P + C] 1 on completion tokens, the EOS included, padding excluded
+    sample_logps: torch.Tensor  # [N, P + C] log-prob of each completion token when sampled (0 elsewhere)
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS / stop string
+    completion_lengths: torch.Tensor  # [N] long
+    completions: list[str]  # decoded completion text (special tokens skipped, cut after a stop string)
+    prompt_index: torch.Tensor  # [N] which prompt each row came from
+
+
+class _GrowingLayer(DynamicLayer):
+    """A KV-cache layer with preallocated [B, H, capacity, D] buffers.
+
+    Attention gets a view of the filled part, so a new token costs one small copy instead of the
+    `torch.cat` of the whole cache that `DynamicLayer` does every step.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, _ = key_states.shape
+        self.device = key_states.device
+        self.k_buf = key_states.new_empty(B, H, self.capacity, key_states.shape[-1])  # [B, H, cap, Dk]
+        self.v_buf = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])  # [B, H, cap, Dv]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, self.length = self.length, self.length + key_states.shape[-2]
+        self.k_buf[:, :, start : self.length] = key_states
+        self.v_buf[:, :, start : self.length] = value_states
+        self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.k_buf, self.v_buf = self.k_buf.index_select(0, indices), self.v_buf.index_select(0, indices)
+        self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.k_buf.shape[0], device=self.device).repeat_interleave(repeats))
+
+
+def _make_cache(model, capacity: int) -> Cache:
+    """Growing preallocated layers when every layer is plain full attention, else HF's DynamicCache."""
+    config = model.config.get_text_config(decoder=True)
+    sliding = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    layer_types = getattr(config, "layer_types", None) or [sliding] * config.num_hidden_layers
+    if all(t == "full_attention" for t in layer_types):
+        return Cache(layers=[_GrowingLayer(capacity) for _ in layer_types])
+    return DynamicCache(config=model.config)
+
+
+def _forward_kwargs(model) -> tuple[str, bool]:
+    """The cache keyword the model takes (`cache` in recent transformers) and whether it takes logits_to_keep."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+def _left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts so every row's next token sits in the last column."""
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)  # [n, P]
+    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [n, P]
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample_tokens(
+    logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [B, V]; return (tokens [B], their log-probs [B]).
+
+    The log-prob is log_softmax(logits / temperature) of the full distribution, before top-k /
+    top-p filtering: the number a later forward pass at the same temperature gives for the token,
+    which is what importance ratios against pi_old need. Greedy uses temperature 1.
+    """
+    logits = logits.float()  # [B, V]; bf16 logits are sampled and scored in float32
+    if settings.greedy:
+        tokens = logits.argmax(-1)  # [B]
+        return tokens, logits.gather(-1, tokens[:, None])[:, 0] - logits.logsumexp(-1)
+    # On CPU each pass over a 50k vocabulary costs about as much as a layer of a small model, so
+    # work in one buffer in place, and skip the temperature pass at 1.
+    inv_t = 1.0 / settings.temperature
+    top = logits.amax(-1, keepdim=True)  # [B, 1]
+    weights = logits - top  # [B, V]
+    if inv_t != 1.0:
+        weights.mul_(inv_t)
+    weights.exp_()  # unnormalised probabilities, the largest 1
+    log_total = weights.sum(-1).log()  # [B]
+    ids = None
+    if settings.top_k > 0:
+        weights, ids = weights.topk(min(settings.top_k, weights.shape[-1]), dim=-1)  # [B, K], sorted
+    elif settings.top_p < 1.0:
+        weights, ids = weights.sort(dim=-1, descending=True)  # [B, V]
+    if settings.top_p < 1.0:
+        # Keep a token iff the mass ranked above it is still short of top_p (of the top-k mass, if any).
+        above = weights.cumsum(-1) - weights  # [B, K]
+        weights = weights.masked_fill(above >= settings.top_p * (above[:, -1:] + weights[:, -1:]), 0.0)
+    # Inverse-CDF sampling takes one uniform per row, so a CPU generator can drive a CUDA model.
+    cdf = weights.cumsum(-1)  # [B, K]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=generator.device if generator else cdf.device)
+    # Shrinking by 1e-6 keeps the target strictly below the total despite rounding, so the first
+    # cdf entry above it always belongs to a token of positive weight.
+    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:] * (1 - 1e-6), right=True)  # [B, 1]
+    tokens = (idx if ids is None else ids.gather(-1, idx))[:, 0]  # [B]
+    return tokens, (logits.gather(-1, tokens[:, None])[:, 0] - top[:, 0]) * inv_t - log_total
+
+
+def _eos_ids(model, tokenizer, eos_token_ids: list[int] | None) -> list[int]:
+    """The given ids, else the union of the tokenizer's and the generation config's EOS ids."""
+    if eos_token_ids is not None:
+        return list(eos_token_ids)
+    ids: list[int] = []
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        ids += [] if src is None else [src] if isinstance(src, int) else list(src)
+    return sorted(set(ids))
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index just past the earliest-ending stop string in text, or -1."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return min(ends) if ends else -1
+
+
+def _has_stop(tokenizer, tokens: torch.Tensor, rows: torch.Tensor, t: int, stops: tuple[str, ...]) -> torch.Tensor:
+    """Which of `rows` have a stop string in the text of their first t + 1 tokens: [len(rows)] bool."""
+    texts = tokenizer.batch_decode(tokens[rows, : t + 1].tolist(), skip_special_tokens=True)
+    return torch.tensor([_first_stop(x, stops) >= 0 for x in texts], dtype=torch.bool, device=rows.device)
+
+
+def _cut_at_stops(tokenizer, tokens: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor, stops) -> None:
+    """Shorten each row whose text holds a stop string to the token that completed it, marking it ended.
+
+    The loop only checks every few tokens (and not after an EOS), so this exact pass makes the
+    lengths independent of when the checks ran.
+    """
+    for row, (seq, L) in enumerate(zip(tokens.tolist(), lengths.tolist())):
+        def stopped(m: int) -> bool:
+            return _first_stop(tokenizer.decode(seq[:m], skip_special_tokens=True), stops) >= 0
+
+        if stopped(L):
+            lengths[row], ended[row] = bisect.bisect_left(range(L + 1), True, key=stopped), True
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    num_samples: int,
+    settings: SamplingSettings,
+    generator: torch.Generator | None = None,
+    eos_token_ids: list[int] | None = None,
+) -> Rollout:
+    """Sample `num_samples` completions for each prompt (token ids, unpadded) with a KV cache.
+
+    `sample_logps[n, t]` is log_softmax(logits / temperature)[input_ids[n, t]] of the full
+    distribution (before top-k / top-p), at temperature 1 when greedy: what a later forward pass of
+    the same model over `input_ids` gives at that temperature, so it can serve as pi_old. EOS ids
+    default to the union of the tokenizer's and the generation config's. Same `generator` seed, same
+    rollout (it may live on another device than the model). Tensors come back on the model's device,
+    trimmed to the longest completion; masks are long, `sample_logps` float32.
+    """
+    _check(settings)
+    device, G, C = model.device, num_samples, settings.max_new_tokens
+    eos = torch.tensor(_eos_ids(model, tokenizer, eos_token_ids), dtype=torch.long, device=device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0]) if len(eos) else 0
+    prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
+    n, P = prompt.shape
+    N = n * G
+    cache = _make_cache(model, P + C)
+    cache_kw, takes_keep = _forward_kwargs(model)
+    keep = {"logits_to_keep": 1} if takes_keep else {}
+
+    def step(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
+        return out.logits[:, -1]  # [B, V]
+
+    # Prefill each distinct prompt once, then copy its cache rows G times.
+    pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
+    logits = step(prompt, prompt_mask, pos).repeat_interleave(G, 0)  # [N, V]
+    cache.batch_repeat_interleave(G)
+    next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
+
+    tokens = torch.full((N, C), pad_id, dtype=torch.long, device=device)  # [N, C]
+    logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]
+    lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
+    ended = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+    active = torch.arange(N, device=device)  # [A] rows in the batch; some may have ended since the last compaction
+    for t in range(C):
+        tok, lp = sample_tokens(logits, settings, generator)  # [A]
+        tokens[active, t], logps[active, t] = tok, lp
+        hit = torch.isin(tok, eos)  # [A]
+        if settings.stop_strings and (t + 1) % _STOP_CHECK_EVERY == 0:
+            hit |= _has_stop(tokenizer, tokens, active, t, settings.stop_strings)
+        hit &= ~ended[active]
+        lengths[active[hit]], ended[active[hit]] = t + 1, True
+        done = ended[active]  # [A]
+        n_done = int(done.sum())  # the one host sync per token
+        if n_done == len(active) or t == C - 1:
+            break
+        if n_done >= max(1, _COMPACT_FRACTION * len(active)):
+            # Drop ended rows so later steps spend nothing on them; batching the drops amortises the copy.
+            live = (~done).nonzero()[:, 0]  # [A']
+            cache.batch_select_indices(live)
+            active, tok, next_pos, mask = active[live], tok[live], next_pos[live], mask[live]
+        logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
+        next_pos = next_pos + 1
+    if settings.stop_strings:
+        _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)
+    return _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, settings.stop_strings)
+
+
+def _check(settings: SamplingSettings) -> None:
+    """Settings a user can get wrong end in one clear sentence."""
+    if not settings.greedy and settings.temperature <= 0:
+        raise GcfError(f"temperature must be > 0 (got {settings.temperature}); set greedy: true for argmax decoding.")
+    if not 0 < settings.top_p <= 1:
+        raise GcfError(f"top_p must be in (0, 1] (got {settings.top_p}); use 1 to switch nucleus sampling off.")
+    if settings.max_new_tokens < 1 or settings.top_k < 0:
+        raise GcfError("max_new_tokens must be >= 1 and top_k >= 0 (0 switches top-k off).")
+
+
+def _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, stops) -> Rollout:
+    """Lay prompts and completions side by side, trimmed to the longest completion."""
+    N = tokens.shape[0]
+    C = int(lengths.max())
+    valid = torch.arange(C, device=tokens.device)[None, :] < lengths[:, None]  # [N, C]
+    comp = tokens[:, :C].masked_fill(~valid, pad_id)  # [N, C]
+    prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # [N, P]
+    texts = tokenizer.batch_decode([row[:l] for row, l in zip(comp.tolist(), lengths.tolist())], skip_special_tokens=True)
+    return Rollout(
+        input_ids=torch.cat([prompt, comp], 1),  # [N, P + C]
+        attention_mask=torch.cat([prompt_mask, valid.long()], 1),  # [N, P + C]
+        completion_mask=torch.cat([torch.zeros_like(prompt_mask), valid.long()], 1),  # [N, P + C]
+        sample_logps=torch.cat([torch.zeros_like(prompt, dtype=torch.float32), logps[:, :C].masked_fill(~valid, 0.0)], 1),  # [N, P + C]
+        truncated=~ended,
+        completion_lengths=lengths,
+        completions=[x[: e] if (e := _first_stop(x, stops)) >= 0 else x for x in texts],
+        prompt_index=torch.arange(N, device=tokens.device) // G,
+    )
