@@ -139,6 +139,8 @@ class Config:
     """Learning rate of the critic."""
     kl_in_reward: bool = False
     """PPO: put -beta * log(pi/pi_ref) in each token's reward instead of a KL term in the loss."""
+    critic_model: Optional[str] = None
+    """PPO: model of the critic (alias or folder, same tokenizer as the policy); None copies the policy's backbone."""
 
     # --- logging, evaluation and checkpoints
     log_every: int = 1

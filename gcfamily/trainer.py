@@ -123,6 +123,8 @@ class Trainer:
         """Micro-batched weighted backward over `batch`, then clip and step; skips non-finite steps."""
         m, cfg = self.method, self.cfg
         mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
+        if not m.trains_policy:
+            return self.auxiliary_only_step(mbs)
         Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
         scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
         sums: dict[str, float] = {}
@@ -149,6 +151,7 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + v * max(k, 1)
         weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
         metrics = {k: v / weight for k, v in sums.items()}
+        metrics.update(m.auxiliary_step_end())  # a second model (PPO's critic) steps once per optimizer step
         params = [p for p in self.policy.parameters() if p.requires_grad]
         finite = math.isfinite(loss_total) and engine.grads_finite(params)
         if not finite:
@@ -164,6 +167,19 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(gn), "tokens": float(n_tok), "skipped": 0.0, **metrics}
+
+    def auxiliary_only_step(self, mbs: list[Batch]) -> dict[str, float]:
+        """One step of a method that trains only its own model (trains_policy=False): no policy pass at all."""
+        sums: dict[str, float] = {}
+        rows = 0
+        for mb in mbs:
+            n = int(mb["input_ids"].shape[0])
+            for key, v in self.method.auxiliary_step(to_device(mb, self.device)).items():
+                sums[key] = sums.get(key, 0.0) + v * n
+            rows += n
+        metrics = {k: v / max(rows, 1) for k, v in sums.items()}
+        metrics.update(self.method.auxiliary_step_end())
+        return {"tokens": float(sum(int(engine.effective_mask(mb).sum()) for mb in mbs)), **metrics}
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """mu passes over the prepared batch, each split into minibatches (one optimizer step each)."""
@@ -233,8 +249,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Greedy held-out accuracy on the task (skipped when there is no task)."""
-        if self.task is None:
+        """Greedy held-out accuracy on the task (skipped when there is no task or no policy is trained)."""
+        if self.task is None or not self.method.trains_policy:
             return {}
         from gcfamily.evaluate import heldout_accuracy
 
@@ -277,6 +293,8 @@ class Trainer:
 
     def save_final(self) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers."""
+        if self.method.save_final(self.out_dir):  # the run's product is the method's own model
+            return
         if self.dist is not None:
             self.dist.save_final(self)
             return

@@ -22,6 +22,8 @@ METHODS: dict[str, str] = {
     "rloo": "gcfamily.methods.grpo_variants:RLOO",
     "dr-grpo": "gcfamily.methods.grpo_variants:DrGRPO",
     "dapo": "gcfamily.methods.grpo_variants:DAPO",
+    "ppo": "gcfamily.methods.ppo:PPO",
+    "reward-model": "gcfamily.methods.reward_model:RewardModelTraining",
     "grpo-shift": "gcfamily.theory.variants:GRPOShift",
     "grpo-direct-kl": "gcfamily.theory.variants:GRPODirectKL",
     "grpo-shift-direct-kl": "gcfamily.theory.variants:GRPOShiftDirectKL",

@@ -12,6 +12,7 @@ suite can check, on random inputs, that the engine's gradient equals autograd of
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -37,6 +38,9 @@ class Method:
     """Aggregation of the textbook objective (engine.py's normalisation contract)."""
     rows_per_example: int = 1
     """Rows that must stay in one micro-batch (2 for a preference pair)."""
+    trains_policy: bool = True
+    """False for a method that trains only a model of its own (the reward model): the trainer then
+    runs no policy log-probs or backward, only `auxiliary_step`, and saves via `save_final`."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -84,8 +88,16 @@ class Method:
         return 1
 
     def auxiliary_step(self, batch: Batch) -> dict[str, float]:
-        """Train a second model the method owns (PPO's critic) on this minibatch; returns metrics."""
+        """Backward of a second model's loss (PPO's critic, the reward model) on this micro-batch; returns metrics."""
         return {}
+
+    def auxiliary_step_end(self) -> dict[str, float]:
+        """Called once per optimizer step, after the step's micro-batches: step the second model; returns metrics."""
+        return {}
+
+    def save_final(self, out_dir: Path) -> bool:
+        """Save the run's final model when it is the method's own (the reward model); False: the trainer saves the policy."""
+        return False
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         """Method-specific metrics of one micro-batch (sums or means; the trainer averages)."""

@@ -65,14 +65,18 @@ class OnPolicy(Method):
         )
 
     def build_reward_fn(self) -> RewardFn:
-        """The reward hook: --reward (built-in name or module:function), else the task's reward.
+        """The reward hook: --reward-model DIR, --reward (built-in name or module:function), else the task's reward.
 
-        A trained reward model (cfg.reward_model) will plug in here, as a function with the
-        same signature fn(prompts, completions, **columns) -> list[float].
+        A trained reward model (`gcf run --method reward-model`) is a function with the same
+        signature fn(prompts, completions, **columns) -> list[float], scoring in batches without grad.
         """
         cfg, task = self.cfg, self.trainer.task  # type: ignore[union-attr]
         if cfg.reward_model:
-            raise GcfError(f"reward_model={cfg.reward_model}: scoring with a trained reward model is not available yet; pass --reward NAME_OR_MODULE:FUNCTION or use a --task's reward.")
+            if cfg.reward:
+                raise GcfError(f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model.")
+            from gcfamily.rewards.model import load_reward_model
+
+            return load_reward_model(cfg.reward_model, self.trainer.device, self.trainer.dtype, cfg.micro_batch_size)  # type: ignore[union-attr]
         if cfg.reward:
             return load_reward(cfg.reward)
         if task is not None and not cfg.dataset:

@@ -1,0 +1,335 @@
+"""PPO with a learned critic: GAE on a value model, the clipped surrogate, a clipped value loss.
+
+Objective (Schulman et al. 2017, arXiv:1707.06347, eq. 7, in the RLHF form of Ouyang et al. 2022,
+InstructGPT, arXiv:2203.02155), maximised:
+
+    J     = aggregate_t[ min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) - beta * k3_t ]
+    r_t   = pi(o_t) / pi_old(o_t)
+    k3_t  = rho - log rho - 1,  rho = pi_ref(o_t) / pi(o_t)        (KL in the loss: beta > 0, not kl_in_reward)
+
+A_t is GAE (Schulman et al. 2016, arXiv:1506.02438) over the completion tokens, on per-token rewards
+
+    rwd_t   = R * 1[t is the last completion token]  - beta * log(pi_old/pi_ref)(o_t) * 1[kl_in_reward]
+    delta_t = rwd_t + gamma * V_{t+1} - V_t           (V after the last token is 0: the episode ends)
+    A_t     = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t
+
+then whitened over the step's valid tokens. V_t = V(q, o_<t) comes from the critic, a second network
+(the policy's backbone + a scalar head, its own optimizer) trained through `auxiliary_step` on
+
+    critic_loss = vf_coef * mean_t max((V_t - returns_t)^2, (clip(V_t, V_old - c, V_old + c) - returns_t)^2)
+
+Coefficient, dJ/dlogp_t at the current log-probs (per aggregation weight):
+
+    GC = r_t * A_t * 1[not clipped] + beta * (rho - 1)
+    clipped = (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gcfamily.config import Config
+from gcfamily.data import to_device
+from gcfamily.engine import build_optimizer, effective_mask, grads_finite, position_ids_from_mask
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Batch
+from gcfamily.methods.onpolicy import OnPolicy
+from gcfamily.models import load_model, load_reference
+
+
+# ----------------------------------------------------------------------------------
+# the critic and the advantage estimator, as plain functions and one module
+
+
+class ValueModel(nn.Module):
+    """V(q, o_<t): a transformer backbone and a scalar head, values aligned with tokens like logps."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)  # float32 whatever the backbone's dtype
+        nn.init.zeros_(self.head.weight)  # V = 0 at the start: the first baseline is no baseline
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """values[b, t] = V of the state that emits token t, read at position t-1 (0 at t = 0)."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, L, H]
+        v = self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1)  # [B, L-1]
+        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)  # [B, L]
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, L] by GAE over each row's masked positions, right to left; 0 elsewhere.
+
+    The masked positions of a row are its completion tokens, wherever the padding puts them; the
+    state after the last one is terminal (V = 0), and the positions between them are skipped.
+    """
+    B, L = values.shape
+    m = mask.bool()
+    adv = torch.zeros_like(values)  # [B, L]
+    next_adv = values.new_zeros(B)  # [B] A_{t+1}
+    next_value = values.new_zeros(B)  # [B] V_{t+1}
+    for t in reversed(range(L)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(m[:, t], a, 0.0)
+        next_adv = torch.where(m[:, t], a, next_adv)
+        next_value = torch.where(m[:, t], values[:, t], next_value)
+    return adv, (adv + values) * m
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (sample std), 0 elsewhere; unchanged but centred if fewer than 2."""
+    m = mask.bool()
+    n = int(m.sum())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = x[m].mean()
+    std = x[m].std() if n > 1 else x.new_ones(())
+    return torch.where(m, (x - mean) / (std + 1e-8), 0.0)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 is a perfect critic, <= 0 a useless one."""
+    m = mask.bool()
+    var = returns[m].double().var() if int(m.sum()) > 1 else torch.zeros((), dtype=torch.float64)
+    if float(var) == 0.0:
+        return math.nan
+    return float(1 - (returns[m] - values[m]).double().var() / var)
+
+
+def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped value loss max((V-R)^2, (clip(V, V_old-c, V_old+c)-R)^2) and where the clipped term wins."""
+    unclipped = (values - returns) ** 2
+    if clip <= 0:
+        return unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def module_mb(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[float, float]:
+    """(parameters, optimizer state) of a model in MB."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    state = 0
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            state += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+    return params / 2**20, state / 2**20
+
+
+# ----------------------------------------------------------------------------------
+# the method
+
+
+class PPO(OnPolicy):
+    """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022): GC = r_t * A_t * 1[not clipped], A_t by GAE."""
+
+    name = "ppo"
+    data_source = "the policy's own samples (G per prompt), scored by the reward; a learned critic supplies the baseline"
+    gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_in_reward),  A_t = GAE(gamma, lam) on a learned value model"
+    default_norm = "token"
+    kl_clamp: ClassVar[float] = 20.0
+    """|log(pi_ref/pi)| beyond this is clamped before exp (in J and GC alike), as in GRPO."""
+    whiten_advantages: ClassVar[bool] = True
+    """Whiten the GAE advantages over the step's valid tokens (a subclass may switch it off)."""
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)
+        for ok, msg in [(0 <= cfg.gamma <= 1, "gamma must be in [0, 1]"), (0 <= cfg.lam <= 1, "lam must be in [0, 1]"),
+                        (cfg.vf_coef > 0, "vf_coef must be > 0"), (cfg.critic_lr > 0, "critic_lr must be > 0"),
+                        (cfg.value_clip >= 0, "value_clip must be >= 0 (0 turns the value clip off)"),
+                        (not cfg.ref_refresh_every, "ppo does not refresh its reference; leave ref_refresh_every at 0")]:
+            if not ok:
+                raise GcfError(f"Invalid setting: {msg}.")
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        cfg = self.cfg
+        self.ref = load_reference(trainer.unwrapped_policy()) if cfg.beta > 0 else None
+        self.critic = self.build_critic(trainer)
+        self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay, tuple(cfg.adam_betas))
+        self.critic_tokens = 0.0  # valid tokens the critic's loss summed over since its last step
+
+    def build_critic(self, trainer: Any) -> ValueModel:
+        """A copy of the policy's backbone (or of `critic_model`'s, which must share the tokenizer) + a scalar head."""
+        name = self.cfg.critic_model
+        if name:
+            model, tok = load_model(name, trainer.dtype, trainer.device, self.cfg.trust_remote_code, self.cfg.seed)
+            if tok.get_vocab() != trainer.tokenizer.get_vocab():
+                raise GcfError(f"critic_model={name} has another tokenizer than the policy; the critic reads the policy's tokens, so pick a model of the same family.")
+            backbone = model.get_decoder()
+        else:
+            backbone = copy.deepcopy(trainer.unwrapped_policy().get_decoder())
+        backbone.requires_grad_(True)
+        if self.cfg.activation_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
+            backbone.gradient_checkpointing_enable()
+        return ValueModel(backbone, backbone.config.hidden_size).to(trainer.device).train()
+
+    def inner_epochs(self) -> int:
+        return self.cfg.mu
+
+    def num_minibatches(self) -> int:
+        return self.cfg.num_minibatches
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the ratio's clip; symmetric unless epsilon_high is set."""
+        hi = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
+        return self.cfg.epsilon, hi
+
+    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Where min() picks the clipped branch, whose gradient is 0."""
+        lo, hi = self.clip_range()
+        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
+
+    # -- prepare: values, per-token rewards, GAE -------------------------------------
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> Batch:
+        cfg, tr, T = self.cfg, self.trainer, self.logprob_temperature()
+        several = self.inner_epochs() > 1 or self.num_minibatches() > 1
+        kl_reward = cfg.kl_in_reward and self.ref is not None
+        # One pass over one minibatch: pi_old == pi, so the ratio is exactly 1 (no old_logps); the
+        # KL-in-reward still needs pi_old's log-probs, which are then the same forward's.
+        old = tr.logprobs(tr.unwrapped_policy(), batch, T) if several or kl_reward else None
+        if several:
+            batch["old_logps"] = old  # [N, L]
+        if self.ref is not None:
+            batch["ref_logps"] = tr.logprobs(self.ref, batch, T)  # [N, L]
+        mask = batch["loss_mask"].float()  # [N, L]
+        valid = effective_mask(batch)  # [N, L]
+        batch["values"] = self.critic_values(batch) * mask  # [N, L]
+        batch["token_rewards"] = self.token_rewards(batch, old)  # [N, L]
+        adv, batch["returns"] = gae(batch["token_rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
+        batch["advantages"] = whiten(adv, valid) if self.whiten_advantages else adv * valid  # [N, L]
+        n = max(float(valid.sum()), 1.0)
+        batch["stat/ppo/explained_variance"] = explained_variance(batch["values"], batch["returns"], valid)
+        batch["stat/ppo/value_mean"] = float((batch["values"] * valid).sum()) / n
+        batch["stat/ppo/return_mean"] = float((batch["returns"] * valid).sum()) / n
+        batch["stat/ppo/adv_raw_std"] = float(adv[valid.bool()].std()) if n > 1 else 0.0
+        if kl_reward:
+            batch["stat/ppo/kl_penalty_mean"] = float((cfg.beta * (old - batch["ref_logps"]) * valid).sum()) / n
+        return batch
+
+    @torch.no_grad()
+    def critic_values(self, batch: Batch) -> torch.Tensor:
+        """V [N, L] of a whole batch without grad, micro-batched like the trainer's log-probs."""
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        size = self.cfg.micro_batch_size
+        for s in range(0, out.shape[0], size):
+            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask")}, self.trainer.device)
+            out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"]).float().cpu()
+        return out
+
+    def token_rewards(self, batch: Batch, old_logps: torch.Tensor | None) -> torch.Tensor:
+        """[N, L]: the sequence reward on each row's last completion token, minus the per-token KL when kl_in_reward."""
+        mask = batch["loss_mask"].float()  # [N, L]
+        N, L = mask.shape
+        last = (mask * torch.arange(L)).argmax(-1)  # [N] position of the last completion token
+        R = torch.where(batch["valid"].bool(), batch["rewards"].float(), 0.0) * mask.any(-1)  # [N]
+        rewards = torch.zeros(N, L)
+        rewards[torch.arange(N), last] = R
+        if old_logps is not None and self.cfg.kl_in_reward and "ref_logps" in batch:
+            rewards = rewards - self.cfg.beta * (old_logps - batch["ref_logps"]) * mask  # InstructGPT's -beta log(pi/pi_ref)
+        return rewards
+
+    # -- the policy's rule -----------------------------------------------------------
+    def _ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        return torch.exp(logps - old)  # [B, L]
+
+    def _kl_log_ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor | None:
+        if self.cfg.beta <= 0 or self.cfg.kl_in_reward or "ref_logps" not in batch:
+            return None
+        return (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)  # [B, L] log rho
+
+    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        adv = batch["advantages"]  # [B, L]
+        ratio = self._ratio(batch, logps)  # [B, L]
+        coef = torch.where(self.clipped(ratio, adv), 0.0, ratio * adv)
+        log_rho = self._kl_log_ratio(batch, logps)
+        if log_rho is not None:
+            inside = (batch["ref_logps"] - logps).abs() <= self.kl_clamp  # the clamp's gradient is 0 outside
+            coef = coef + self.cfg.beta * torch.expm1(log_rho) * inside  # beta (rho - 1)
+        return coef * batch["loss_mask"]
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        adv = batch["advantages"]  # [B, L]
+        ratio = self._ratio(batch, logps)
+        lo, hi = self.clip_range()
+        per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+        log_rho = self._kl_log_ratio(batch, logps)
+        if log_rho is not None:
+            per_token = per_token - self.cfg.beta * (torch.expm1(log_rho) - log_rho)  # k3 = rho - log rho - 1
+        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+
+    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
+        mask = effective_mask(batch).bool()
+        n = max(int(mask.sum()), 1)
+        adv, ratio = batch["advantages"], self._ratio(batch, logps)
+        lo, hi = self.clip_range()
+        low, high = (adv < 0) & (ratio < 1 - lo) & mask, (adv > 0) & (ratio > 1 + hi) & mask
+        out = {"ppo/clip_frac": float((low | high).sum()) / n, "ppo/clip_low_frac": float(low.sum()) / n,
+               "ppo/clip_high_frac": float(high.sum()) / n, "ppo/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
+        if "ref_logps" in batch:
+            d = (batch["ref_logps"] - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
+            out["ppo/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n
+        return out
+
+    # -- the critic: its loss, its step ----------------------------------------------
+    def critic_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """vf_coef * sum over valid tokens of the clipped value loss (the step's token count divides it later)."""
+        mask = effective_mask(batch)  # [b, L]
+        values = self.critic(batch["input_ids"], batch["attention_mask"])  # [b, L] with grad
+        per_token, clipped = value_loss_terms(values, batch["values"].float(), batch["returns"].float(), self.cfg.value_clip)
+        k = max(float(mask.sum()), 1.0)
+        stats = {"ppo/value_loss": float((per_token.detach() * mask).sum()) / k, "ppo/vf_clip_frac": float((clipped * mask).sum()) / k}
+        return self.cfg.vf_coef * (per_token * mask).sum(), stats
+
+    def auxiliary_step(self, batch: Batch) -> dict[str, float]:
+        """The critic's backward on this micro-batch; it steps once per policy step, in auxiliary_step_end."""
+        loss, stats = self.critic_loss(batch)
+        loss.backward()
+        self.critic_tokens += float(effective_mask(batch).sum())
+        return stats
+
+    def auxiliary_step_end(self) -> dict[str, float]:
+        """Divide the accumulated gradient by the step's token count (the normaliser), clip, step."""
+        params = [p for p in self.critic.parameters() if p.grad is not None]
+        out: dict[str, float] = {}
+        tokens = self.critic_tokens
+        if dist.is_available() and dist.is_initialized():
+            # the trainer averages the critic's gradients over the ranks (DistEnv.average_method_grads),
+            # so dividing by the mean token count per rank gives sum / (tokens of the whole step)
+            t = torch.tensor([tokens], dtype=torch.float64, device=next(self.critic.parameters()).device)
+            dist.all_reduce(t)
+            tokens = float(t) / dist.get_world_size()
+        if params and tokens > 0:
+            torch._foreach_div_([p.grad for p in params], tokens)
+            if grads_finite(params):
+                clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+                out["ppo/critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
+                self.critic_optimizer.step()
+            else:
+                out["ppo/critic_skipped"] = 1.0
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self.critic_tokens = 0.0
+        param_mb, optim_mb = module_mb(self.critic, self.critic_optimizer)
+        out.update({"ppo/critic_param_mb": param_mb, "ppo/critic_optimizer_mb": optim_mb, "ppo/critic_memory_mb": param_mb + optim_mb})
+        return out
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"critic": {k: v.detach().cpu().clone() for k, v in self.critic.state_dict().items()},
+                "critic_optimizer": self.critic_optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
