@@ -216,6 +216,8 @@ def generate(
     trimmed to the longest completion; masks are long, `sample_logps` float32.
     """
     _check(settings)
+    if not prompt_ids or not all(prompt_ids):
+        raise GcfError("every prompt needs at least one token; drop empty prompts before sampling.")
     device, G, C = model.device, num_samples, settings.max_new_tokens
     eos = torch.tensor(_eos_ids(model, tokenizer, eos_token_ids), dtype=torch.long, device=device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0]) if len(eos) else 0
@@ -241,26 +243,32 @@ def generate(
     logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]
     lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
     ended = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
-    active = torch.arange(N, device=device)  # [A] rows in the batch; some may have ended since the last compaction
+    # The batch in flight: `active` maps its rows to rows of the result; rows that ended since the
+    # last compaction ride along until the next one. Per-row state lives in [A] tensors updated
+    # without host syncs; it is written back to the [N] ones when the batch shrinks and at the end.
+    active = torch.arange(N, device=device)  # [A]
+    len_a, ended_a = lengths.clone(), ended.clone()  # [A]
     for t in range(C):
         tok, lp = sample_tokens(logits, settings, generator)  # [A]
         tokens[active, t], logps[active, t] = tok, lp
         hit = torch.isin(tok, eos)  # [A]
         if settings.stop_strings and (t + 1) % _STOP_CHECK_EVERY == 0:
             hit |= _has_stop(tokenizer, tokens, active, t, settings.stop_strings)
-        hit &= ~ended[active]
-        lengths[active[hit]], ended[active[hit]] = t + 1, True
-        done = ended[active]  # [A]
-        n_done = int(done.sum())  # the one host sync per token
+        len_a = torch.where(hit & ~ended_a, t + 1, len_a)
+        ended_a = ended_a | hit
+        n_done = int(ended_a.sum())  # the one host sync per token
         if n_done == len(active) or t == C - 1:
             break
         if n_done >= max(1, _COMPACT_FRACTION * len(active)):
             # Drop ended rows so later steps spend nothing on them; batching the drops amortises the copy.
-            live = (~done).nonzero()[:, 0]  # [A']
+            lengths[active], ended[active] = len_a, ended_a
+            live = (~ended_a).nonzero()[:, 0]  # [A']
             cache.batch_select_indices(live)
             active, tok, next_pos, mask = active[live], tok[live], next_pos[live], mask[live]
+            len_a, ended_a = len_a[live], ended_a[live]
         logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
         next_pos = next_pos + 1
+    lengths[active], ended[active] = len_a, ended_a
     if settings.stop_strings:
         _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)
     return _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, settings.stop_strings)
