@@ -79,10 +79,18 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     overrides = _overrides(**opts)
     overrides.update(parse_sets(sets))
     cfg = resolve(config_path, overrides)
-    if nproc > 1:
-        from gcfamily.distributed import launch
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of torchrun (or of --nproc)
+        from gcfamily.distributed import run_process
 
-        sys.exit(launch(nproc, sys.argv[1:]))
+        run_process(cfg, resume)
+        return
+    if nproc > 1:
+        from gcfamily.distributed import check_batch_size, launch
+
+        check_batch_size(cfg.batch_size, nproc)
+        if "run" not in sys.argv:
+            raise GcfError("--nproc re-runs the `gcf run` command line; call it as `gcf run ... --nproc N`, or use torchrun.")
+        sys.exit(launch(nproc, sys.argv[sys.argv.index("run") :]))
     from gcfamily.trainer import Trainer
 
     trainer = Trainer(cfg, resume=resume)

@@ -135,8 +135,37 @@ def token_logprobs(
 
     The backbone runs once over the (trimmed) sequences; the output layer is applied chunk
     by chunk to the hidden states of the masked positions only, so memory for the logits is
-    bounded by chunk_size x V rather than B x T x V.
+    bounded by chunk_size x V rather than B x T x V. `model` is a causal LM or a (DDP- or
+    FSDP2-wrapped) LogprobModel, whose forward is this same computation.
     """
+    if isinstance(getattr(model, "module", model), LogprobModel):
+        return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size))
+    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size))
+
+
+class LogprobModel(nn.Module):
+    """A causal LM whose forward is `token_logprobs`: the one module DDP wraps and FSDP2 shards.
+
+    DDP's gradient reducer and FSDP2's gather/free hooks run only when the wrapped module's
+    forward is called, and the log-prob path reaches past the LM's forward (backbone, head
+    weight), so the whole path must be one forward.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                temperature: float = 1.0, chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size)
+        if not bool(loss_mask[:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
+            logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
+        return logps, entropy
+
+
+def _token_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
     backbone, head = model_parts(model)
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
@@ -148,12 +177,12 @@ def token_logprobs(
     logps = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
     entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
     if h.shape[0] == 0:
-        return TokenLogprobs(logps + 0.0 * hidden.sum(), entropy)
+        return logps + 0.0 * hidden.sum(), entropy
     lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size))
     full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
     entropy[:, 1:][pred_mask] = ent
-    return TokenLogprobs(logps, entropy)
+    return logps, entropy
 
 
 # ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from gcfamily import checkpoint, engine
+from gcfamily import checkpoint, distributed, engine
 from gcfamily.config import Config, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted
@@ -66,14 +66,16 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
-        self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        weights_dtype = self.dtype if dist_env is None else dist_env.master_dtype(cfg, self.dtype)  # float32 under FSDP2 mixed precision
+        self.policy, self.tokenizer = load_model(cfg.model, weights_dtype, self.device, cfg.trust_remote_code, cfg.seed)
         self.task = self._load_task()
         self.method: Method = self.method_cls(cfg)
         self.method.setup(self)  # may load a reference or a critic from the untouched policy
-        if dist_env is not None:
-            self.policy = dist_env.wrap(self.policy, cfg)
+        state = self._load_checkpoint(resume) if resume is not None else None  # into the plain models, before any wrapping
         if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
-            self.policy.gradient_checkpointing_enable()
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if dist_env is not None:
+            self.policy = dist_env.wrap(self.policy, cfg, self.method)
         self.policy.train()
         self.optimizer = engine.build_optimizer(self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
         total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
@@ -82,8 +84,8 @@ class Trainer:
         self.bad_steps = 0
         self.skipped_steps = 0
         self._stop_signal: Optional[str] = None
-        if resume is not None:
-            self._resume(resume)
+        if state is not None:
+            self._restore(state)
         self.logger = RunLogger(self.out_dir, enabled=self.is_main)
 
     # ------------------------------------------------------------------ setup helpers
@@ -91,6 +93,8 @@ class Trainer:
         holds_run = (self.out_dir / "run_config.json").is_file() or (self.out_dir / "metrics.jsonl").is_file()
         if holds_run and resume is None and not self.cfg.overwrite:
             raise GcfError(f"Output folder {self.out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir.")
+        if self.dist is not None:
+            self.dist.barrier()  # every rank has looked before rank 0 writes
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if holds_run and resume is None:  # --overwrite: start clean, but never touch other files
@@ -111,6 +115,8 @@ class Trainer:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         B = batch["input_ids"].shape[0]
         size = self.cfg.micro_batch_size
+        env = getattr(self, "dist", None)  # theory's BanditRunner borrows this method
+        model = env.logprob_module(model) if env is not None else model  # an FSDP2-sharded model runs through its root
         with torch.inference_mode():
             for s in range(0, B, size):
                 mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.device)
@@ -150,10 +156,12 @@ class Trainer:
             for key, v in m_aux.items():
                 sums[key] = sums.get(key, 0.0) + v * max(k, 1)
         weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
+        if self.dist is not None:
+            self.dist.average_method_grads(m)  # a second model the method trains stays equal on every rank
         metrics = {k: v / weight for k, v in sums.items()}
         metrics.update(m.auxiliary_step_end())  # a second model (PPO's critic) steps once per optimizer step
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        finite = math.isfinite(loss_total) and engine.grads_finite(params)
+        finite = math.isfinite(loss_total) and engine.grads_finite(params) if self.dist is None else self.dist.all_finite(loss_total, params)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
@@ -162,7 +170,8 @@ class Trainer:
                 raise GcfError(f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data).")
             return {"loss": float("nan"), "skipped": 1.0, **metrics}
         self.bad_steps = 0
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        clip = torch.nn.utils.clip_grad_norm_ if self.dist is None else self.dist.clip_grad_norm_  # FSDP2: the norm over every shard
+        gn = clip(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -224,6 +233,9 @@ class Trainer:
                         metrics[k[5:]] = float(v)
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
+                if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
+                    metrics = self.dist.reduce_metrics(metrics)
+                    self._stop_signal = self.dist.agree_stop(self._stop_signal)
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
                     self.logger.log(self.step, metrics)
                 if bar is not None:
@@ -256,14 +268,20 @@ class Trainer:
 
         unwrapped = self.unwrapped_policy()
         was_training = unwrapped.training
-        acc = heldout_accuracy(unwrapped, self.tokenizer, self.task, self.cfg.eval_samples, self.cfg.max_new_tokens)
+        with self.full_parameters():
+            acc = heldout_accuracy(unwrapped, self.tokenizer, self.task, self.cfg.eval_samples, self.cfg.max_new_tokens)
         unwrapped.train(was_training)
         return {"eval/accuracy": acc}
 
     # ------------------------------------------------------------------ saving
     def unwrapped_policy(self) -> torch.nn.Module:
-        """The plain model under any DDP wrapper."""
-        return getattr(self.policy, "module", self.policy)
+        """The plain causal LM under any DDP / FSDP2 / LogprobModel wrapper."""
+        m = getattr(self.policy, "module", self.policy)
+        return m.model if isinstance(m, engine.LogprobModel) else m
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Context in which unwrapped_policy() holds whole parameters (FSDP2 gathers them for generation)."""
+        return self.dist.full_parameters(self.policy) if self.dist is not None else contextlib.nullcontext()
 
     def training_state(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs."""
@@ -281,13 +299,21 @@ class Trainer:
             return None
         return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last)
 
-    def _resume(self, resume: str) -> None:
+    def _load_checkpoint(self, resume: str) -> dict[str, Any]:
+        """Weights and the method's state into the plain models; the rest waits for _restore."""
         path = checkpoint.find(resume, self.out_dir)
-        state = checkpoint.load(path, self.unwrapped_policy())
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = distributed.local_state(checkpoint.load(path, self.unwrapped_policy()), self.dist)
+        self.method.load_state_dict(state["method"])
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Optimizer, schedule, RNG and counters, once the optimizer exists."""
+        if self.dist is not None:
+            self.dist.load_optimizer(self.policy, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"], self.generator)
-        self.method.load_state_dict(state["method"])
         self.step = int(state["step"])
         self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
 

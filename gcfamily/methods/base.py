@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from gcfamily.config import Config
+from gcfamily.data import epoch_indices
 from gcfamily.engine import token_weights
 
 if TYPE_CHECKING:
@@ -114,7 +115,22 @@ class Method:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
 
+    def owned_models(self) -> list[torch.nn.Module]:
+        """Models the method holds besides the policy: a frozen pi_ref (sharded like the policy under
+        FSDP2) or a model it trains (PPO's critic, whose gradients are averaged over the ranks)."""
+        return [m for m in vars(self).values() if isinstance(m, torch.nn.Module)]
+
     # -- helpers for subclasses ------------------------------------------------------
+    def step_indices(self, n: int, step: int) -> list[int]:
+        """This process's examples of `step`: batch_size examples (the global batch, deterministic in
+        seed and step), of which rank r of W takes the r-th contiguous 1/W share."""
+        idx = epoch_indices(n, self.cfg.seed, step, self.cfg.batch_size)
+        env = getattr(self.trainer, "dist", None)
+        if env is None:
+            return idx
+        per = len(idx) // env.world_size  # DistEnv.check makes batch_size divisible
+        return idx[env.rank * per : (env.rank + 1) * per]
+
     def aggregate(self, per_token: torch.Tensor, batch: Batch, Z: float) -> torch.Tensor:
         """sum_t w_t * term_t / Z: the aggregation of the contract, for textbook objectives."""
         return (token_weights(batch, self.norm) * per_token).sum() / Z

@@ -90,7 +90,7 @@ class DPO(Method):
         return ref
 
     def data(self, step: int) -> Batch:
-        idx = epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
+        idx = self.step_indices(len(self.pairs), step)
         rows = [(i, s) for i in idx for s in (1, 2)]  # chosen at 2k, rejected at 2k+1
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
         batch["example_weight"] = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from gcfamily.config import FIELDS, Config
-from gcfamily.data import epoch_indices, load_rows, prompt_ids
+from gcfamily.data import load_rows, prompt_ids
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 from gcfamily.rewards import RewardFn, load_reward, score
@@ -88,12 +88,13 @@ class OnPolicy(Method):
         """batch_size prompts (deterministic in seed and step), G samples each, scored."""
         cfg, trainer = self.cfg, self.trainer
         G = cfg.group_size
-        rows = [self.rows[i] for i in epoch_indices(len(self.rows), cfg.seed, step, cfg.batch_size)]
+        rows = [self.rows[i] for i in self.step_indices(len(self.rows), step)]  # whole groups stay on one rank
         policy = trainer.unwrapped_policy()
         was_training = policy.training
         policy.eval()
         try:
-            ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], G, self.sampling, trainer.generator)
+            with trainer.full_parameters():  # FSDP2: gathered for generation, freed after
+                ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], G, self.sampling, trainer.generator)
         finally:
             policy.train(was_training)
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gcfamily.data import check_sft_row, collate, default_pad_id, encode_pairs, epoch_indices, load_rows
+from gcfamily.data import check_sft_row, collate, default_pad_id, encode_pairs, load_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 
@@ -35,7 +35,7 @@ class SFT(Method):
         self.pad_id = default_pad_id(trainer.tokenizer)
 
     def data(self, step: int) -> Batch:
-        idx = epoch_indices(len(self.examples), self.cfg.seed, step, self.cfg.batch_size)
+        idx = self.step_indices(len(self.examples), step)
         batch: Batch = collate([self.examples[i] for i in idx], self.pad_id)
         batch["stat/skipped_long_prompts"] = float(self.skipped)
         return batch

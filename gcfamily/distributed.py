@@ -1,0 +1,416 @@
+"""Several processes with torch.distributed: DDP or FSDP2, one normaliser across ranks.
+
+How a run scales out (the single-process path does not change):
+
+- `gcf run ... --nproc N` re-runs the same command under torch.distributed.run (torchrun). Under
+  torchrun, WORLD_SIZE > 1 makes `cli.run` build a DistEnv (gloo on CPU, NCCL on GPU) and give it
+  to the Trainer, which calls the hooks below.
+- The policy's log-prob pass goes through ONE module forward, `engine.LogprobModel`: that is what
+  DDP wraps and what FSDP2 shards (each decoder layer, then the wrapper as root), because their
+  hooks (DDP's gradient reducer, FSDP2's gather and free) only run when that forward is called.
+- Every rank takes a contiguous 1/world share of each step's examples (`Method.step_indices`),
+  so each prompt's whole group stays on one rank; Z is all-reduced in `engine.normaliser` and the
+  trainer multiplies the loss by world_size because DDP and FSDP2 both average gradients. So N
+  ranks take exactly the step one process takes on the same global batch.
+- FSDP2: generation and evaluation run inside `full_parameters` (every group gathered once,
+  freed after), and a method's frozen reference is sharded like the policy. Checkpoints gather
+  the full state on rank 0, in the single-process format plus each rank's RNG state.
+- GPU: NCCL, one device per process (LOCAL_RANK); under FSDP2 with bfloat16 the master weights
+  stay float32 and forward/backward run in bfloat16 (MixedPrecisionPolicy, gradients reduced in
+  float32). DDP trains in the model's dtype, as one process does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gcfamily import checkpoint
+from gcfamily.engine import LogprobModel
+from gcfamily.errors import GcfError
+
+ERROR_DIR_ENV = "GCF_ERROR_DIR"  # set by `launch`: each failing rank leaves its one-line message there
+SUM_METRICS = ("loss", "tokens", "tokens/generated", "budget/tokens", "train_tokens_per_s", "reward/failed")  # each rank holds a share: add them
+MAX_PREFIXES = ("time/", "peak_memory_mb", "budget/elapsed_s")  # the slowest / largest rank is the one that matters
+
+
+# ----------------------------------------------------------------------------------
+# starting processes
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run `gcf` with `argv` (its --nproc removed) in nproc processes under torchrun; its exit code.
+
+    Same as `torchrun --standalone --nproc_per_node N -m gcfamily ARGV`, but a user error ends in
+    one line (the lowest failing rank's message) instead of torchrun's failure report.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    err_dir = tempfile.mkdtemp(prefix="gcf-errors-")
+    saved = dict(os.environ)
+    os.environ[ERROR_DIR_ENV] = err_dir
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set here so it does not warn about it
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)  # its failure report repeats what the ranks already printed
+    try:
+        run(parse_args(["--standalone", "--nproc_per_node", str(nproc), "-m", "gcfamily", *strip_nproc(argv)]))
+        return 0
+    except ChildFailedError as e:
+        message = first_error(Path(err_dir))
+        if message is not None:
+            code, text = message
+            print(f"error: {text}", file=sys.stderr)
+            return code
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
+        print(f"error: process {rank} of {nproc} exited with code {failure.exitcode}; its output is above.", file=sys.stderr)
+        return code
+    finally:
+        elastic_log.setLevel(level)
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(err_dir, ignore_errors=True)
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """argv without `--nproc N` / `--nproc=N`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def first_error(err_dir: Path) -> Optional[tuple[int, str]]:
+    """(exit code, message) left by the lowest rank that failed with a user error, if any."""
+    files = sorted(err_dir.glob("rank-*"), key=lambda p: int(p.name[5:]))
+    if not files:
+        return None
+    code, _, text = files[0].read_text().partition("\n")
+    return int(code), text
+
+
+def run_process(cfg: Any, resume: Optional[str]) -> None:
+    """`gcf run` in one process of torchrun: join the group, train, leave the group.
+
+    A user error on any rank ends in one line (rank 0's, or the lowest failing rank's through the
+    `launch` that started us) and a non-zero exit, never a traceback per rank.
+    """
+    from gcfamily.trainer import Trainer
+
+    rank, env = int(os.environ.get("RANK", "0")), None
+    try:
+        env = DistEnv.from_env(cfg.device)
+        assert env is not None, "run_process is for WORLD_SIZE > 1"
+        env.check(cfg)
+        trainer = Trainer(cfg, resume=resume, dist_env=env)
+        out = trainer.run()
+        if env.is_main:
+            print(f"done: {trainer.step} steps on {env.world_size} processes ({cfg.strategy}); model and metrics in {out}")
+    except GcfError as e:
+        code = getattr(e, "exit_code", 2)
+        err_dir = os.environ.get(ERROR_DIR_ENV)
+        if err_dir:  # started by `launch`, which prints the lowest failing rank's message
+            (Path(err_dir) / f"rank-{rank}").write_text(f"{code}\n{e}")
+        elif rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(code) from None
+    finally:
+        if env is not None:
+            env.close()
+
+
+# ----------------------------------------------------------------------------------
+# one process's view of the group
+
+
+def check_batch_size(batch_size: int, world_size: int) -> None:
+    """batch_size is the global number of examples per step: each rank takes an equal share."""
+    if batch_size % world_size:
+        raise GcfError(f"batch_size={batch_size} is the global number of examples per step and must divide evenly over {world_size} processes; pick a multiple of {world_size}.")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the classes HF lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    return layers or list(getattr(model.get_decoder(), "layers", []))
+
+
+class DistEnv:
+    """Rank, world size and device of this process, and the hooks the Trainer calls under torchrun."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self.strategy = "ddp"
+        self.compute_dtype: Optional[torch.dtype] = None  # bfloat16 under FSDP2 mixed precision
+        self._roots: dict[int, nn.Module] = {}  # id(plain causal LM) -> its FSDP2-sharded LogprobModel
+
+    @classmethod
+    def from_env(cls, device: str = "auto") -> Optional["DistEnv"]:
+        """The process group torchrun describes in the environment, or None when WORLD_SIZE <= 1."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise GcfError(f"device={device} was asked for but no CUDA GPU is available; use device=cpu.")
+        use_cuda = torch.cuda.is_available() and device != "cpu"
+        if use_cuda and local_rank >= torch.cuda.device_count():
+            raise GcfError(f"{int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1))} processes on this machine but {torch.cuda.device_count()} GPU(s): start one process per GPU (--nproc / --nproc_per_node), or set device=cpu.")
+        dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(dev)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        return cls(rank, world, local_rank, dev)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def check(self, cfg: Any) -> None:
+        """Settings that cannot be split over the ranks; one clear sentence."""
+        check_batch_size(cfg.batch_size, self.world_size)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # -- wrapping ----------------------------------------------------------------------
+    def master_dtype(self, cfg: Any, dtype: torch.dtype) -> torch.dtype:
+        """dtype to load the policy in: float32 master weights under FSDP2 mixed precision."""
+        if cfg.strategy == "fsdp2" and self.device.type == "cuda" and dtype == torch.bfloat16:
+            self.compute_dtype = torch.bfloat16
+            return torch.float32
+        return dtype
+
+    def wrap(self, model: nn.Module, cfg: Any, method: Any = None) -> nn.Module:
+        """The policy as a LogprobModel under DDP or FSDP2; under FSDP2 the method's frozen models are sharded too."""
+        self.check(cfg)
+        self.strategy = cfg.strategy
+        root = LogprobModel(model)
+        if cfg.strategy == "ddp":
+            # buffers (rotary tables) are the same on every rank: no broadcast, which would be a collective per forward
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return nn.parallel.DistributedDataParallel(root, device_ids=ids, forward_sync_buffers=False)
+        self._shard(root)
+        frozen = [m for m in (method.owned_models() if method is not None else []) if not any(p.requires_grad for p in m.parameters())]
+        for ref in frozen:
+            if _is_causal_lm(ref):  # pi_ref; anything else stays whole
+                self._shard(LogprobModel(ref))
+        return root
+
+    def _shard(self, root: LogprobModel) -> LogprobModel:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32) if self.compute_dtype else MixedPrecisionPolicy()
+        for layer in decoder_layers(root.model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(root, mesh=mesh, mp_policy=mp)
+        # One forward through the wrapper makes it FSDP2's root before anything calls a layer
+        # directly (generation does, inside full_parameters).
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            ids = torch.ones(1, 2, dtype=torch.long, device=self.device)
+            root(ids, torch.ones_like(ids), torch.zeros_like(ids))
+        root.reshard()  # the root keeps its parameters gathered after a forward; the optimizer must see the shards
+        self._roots[id(root.model)] = root
+        return root
+
+    def logprob_module(self, model: nn.Module) -> nn.Module:
+        """What to run a no-grad log-prob pass of `model` through: its FSDP2 root, or the model itself."""
+        return self._roots.get(id(model), model)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Accumulate this micro-batch's gradients locally; the step's last micro-batch reduces them."""
+        if self.strategy == "ddp":
+            with model.no_sync():
+                yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    @contextlib.contextmanager
+    def full_parameters(self, model: nn.Module) -> Iterator[None]:
+        """Under FSDP2, gather every parameter group of the policy once (generation runs many forwards
+        without collectives) and free them after; a no-op under DDP, whose parameters are whole."""
+        if self.strategy != "fsdp2":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model.set_reshard_after_forward(False)  # recursive: a layer's forward keeps it gathered
+        for m in mods:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in mods:
+                m.reshard()
+                m.set_reshard_after_forward(m is not model, recurse=False)  # layers free after forward; the root keeps its params for backward
+
+    # -- the step ------------------------------------------------------------------------
+    def all_finite(self, loss: float, params: list[nn.Parameter]) -> bool:
+        """Every rank's loss and gradient shard finite: all ranks step, or all skip."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        ok = math.isfinite(loss) and (not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()))
+        flag = torch.tensor([1.0 if ok else 0.0], device=self._comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Global gradient norm (over every shard under FSDP2) and clipping to max_norm, as one process does."""
+        if self.strategy == "ddp":  # gradients are whole and equal on every rank
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        norms = torch._foreach_norm([_local(g) for g in grads])  # of this rank's shards
+        sq = torch.stack(norms).double().pow(2).sum().to(self._comm_device())
+        dist.all_reduce(sq)
+        total = sq.sqrt().float()
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        torch._foreach_mul_(grads, coef)
+        return total
+
+    def average_method_grads(self, method: Any) -> None:
+        """A second model the method trains (PPO's critic) stays whole on every rank: average its gradients."""
+        for module in method.owned_models():
+            for p in module.parameters():
+                if p.requires_grad and p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(self.world_size)
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One row for the log: shares added (loss, tokens), times and memory the max, the rest averaged."""
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, metrics)
+        out: dict[str, float] = {}
+        for k in sorted({k for r in rows for k in r}):
+            vals = [float(r[k]) for r in rows if k in r]
+            finite = [v for v in vals if math.isfinite(v)] or vals
+            if k in SUM_METRICS:
+                out[k] = sum(vals)
+            elif k.startswith(MAX_PREFIXES):
+                out[k] = max(finite)
+            else:
+                out[k] = sum(finite) / len(finite)
+        return out
+
+    def agree_stop(self, signal_name: Optional[str]) -> Optional[str]:
+        """A signal seen by any rank stops every rank at the same step (the checkpoint is collective)."""
+        flag = torch.tensor([1.0 if signal_name else 0.0], device=self._comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return (signal_name or "SIGTERM") if flag.item() > 0 else None
+
+    # -- saving --------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Whole CPU tensors of `model` (every rank calls this: FSDP2 gathers); tied weights stay one tensor."""
+        from torch.distributed.tensor import DTensor
+
+        cache: dict[int, torch.Tensor] = {}
+        out = {}
+        for k, v in model.state_dict(keep_vars=True).items():
+            if id(v) not in cache:
+                t = v.detach()
+                cache[id(v)] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+            out[k] = cache[id(v)]
+        return out
+
+    def save_checkpoint(self, trainer: Any) -> Optional[Path]:
+        """The single-process checkpoint format, written by rank 0 from gathered state, plus every rank's RNG."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        weights = self.full_state_dict(trainer.unwrapped_policy())
+        optim = get_optimizer_state_dict(trainer.policy, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        method_state = _full(trainer.method.state_dict())
+        rngs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rngs, checkpoint.rng_state(trainer.generator))
+        path = None
+        if self.is_main:
+            state = {**trainer.training_state(), "optimizer": optim, "method": method_state, "rank_rng": rngs, "strategy": self.strategy}
+            as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint.save reads of a model
+            path = checkpoint.save(trainer.out_dir / "checkpoints", trainer.step, as_model, state, trainer.cfg.keep_last)
+        dist.barrier()
+        return path
+
+    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Scatter a full optimizer state (every rank read the same file) onto this rank's parameters."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def save_final(self, trainer: Any) -> None:
+        """Rank 0 writes save_pretrained of the full model and the tokenizer: loadable without torch.distributed.
+
+        Under FSDP2 mixed precision that is the float32 master weights, as the config then says."""
+        weights = self.full_state_dict(trainer.unwrapped_policy())
+        if self.is_main:
+            trainer.unwrapped_policy().save_pretrained(trainer.out_dir, state_dict=weights, safe_serialization=True)
+            trainer.tokenizer.save_pretrained(trainer.out_dir)
+        dist.barrier()
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def local_state(state: dict[str, Any], env: Optional[DistEnv]) -> dict[str, Any]:
+    """A loaded checkpoint's state for this process: its own RNG; a clear error on another process count."""
+    rngs = state.get("rank_rng")
+    n = len(rngs) if rngs is not None else 1
+    if n != (env.world_size if env is not None else 1):
+        hint = f"--nproc {n}" if n > 1 else "one process (no --nproc)"
+        raise GcfError(f"The checkpoint was written by {n} process(es); resume it with {hint}.")
+    return state if env is None else {**state, "rng": rngs[env.rank]}
+
+
+def _is_causal_lm(m: nn.Module) -> bool:
+    try:
+        return m.get_decoder() is not None and getattr(m.get_output_embeddings(), "weight", None) is not None
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(obj: Any) -> Any:
+    """obj with every DTensor gathered to a whole CPU tensor (a sharded reference in a method's state)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):  # a method may have moved its shards to the CPU already; gather where the mesh lives
+        return obj.to(obj.device_mesh.device_type).full_tensor().cpu()
+    if isinstance(obj, dict):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_full(v) for v in obj)
+    return obj

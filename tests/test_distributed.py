@@ -1,0 +1,222 @@
+"""Two processes (gloo, CPU) take the same optimizer steps as one process with the same global batch.
+
+The two-process side runs this file as a script under torchrun (`_worker`, at the bottom): for DDP
+and for FSDP2 it trains SFT for 2 steps through `Trainer.run` (each rank reads its half of every
+step's examples), resumes the same run from its step-1 checkpoint, and takes 2 GRPO optimizer steps
+(mu = 2, so pi_old and pi_ref both come from the wrapped/sharded models) on a FIXED batch of scored
+groups, each rank holding two whole groups. The one-process side runs here, and the weights must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gcfamily.config import Config
+from gcfamily.data import collate, select
+from gcfamily.errors import GcfError
+
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("ddp", "fsdp2")
+G, PROMPTS = 4, 4  # the fixed GRPO batch: 4 groups of 4, two groups per rank
+SFT = dict(method="sft", batch_size=4, micro_batch_size=1, max_steps=2, save_every=1, keep_last=2)
+GRPO = dict(method="grpo", batch_size=PROMPTS, group_size=G, micro_batch_size=4, mu=2, beta=0.04)
+ATOL = 1e-5
+
+
+def _cfg(out: Path, strategy: str = "ddp", **kw) -> Config:
+    base = dict(model="tiny", task="arithmetic", lr=1e-3, output_dir=str(out), progress=False, strategy=strategy, device="cpu")
+    return Config(**{**base, **kw})
+
+
+def fixed_grpo_batch(tokenizer) -> dict:
+    """PROMPTS groups of G completions with fixed rewards: mixed groups and one zero-std group."""
+    gen = torch.Generator().manual_seed(0)
+    V = len(tokenizer)
+    rows = []
+    for i in range(PROMPTS):
+        prompt = torch.randint(7, V, (3 + i,), generator=gen).tolist()
+        for _ in range(G):
+            rows.append((prompt, torch.randint(7, V, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()))
+    batch = collate(rows, tokenizer.pad_token_id)
+    rewards = torch.tensor([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5, 0, 0.25, 1, 0.75, 1, 1, 0, 0.5])  # group 2 has std 0
+    batch.update(rewards=rewards, valid=torch.ones(len(rows), dtype=torch.bool), prompt_index=torch.arange(len(rows)) // G)
+    return batch
+
+
+# ----------------------------------------------------------------------------------
+# the one-process side, and the comparison
+
+
+@pytest.fixture(scope="module")
+def two_process(tmp_path_factory) -> Path:
+    """Run `_worker` in 2 processes under torchrun once for the whole module; its output folder."""
+    out = tmp_path_factory.mktemp("two_process")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out)]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"two-process worker failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return out
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"largest weight difference {worst:.2e}")
+    assert worst < ATOL, f"weights differ by up to {worst:.2e}"
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sft_two_processes_equal_one(two_process, tmp_path, strategy):
+    from gcfamily.trainer import Trainer
+
+    one = Trainer(_cfg(tmp_path / "one", **SFT))
+    one.run()
+    ref = load_file(str(tmp_path / "one" / "model.safetensors"))
+    two = two_process / f"sft-{strategy}"
+    _assert_same(ref, load_file(str(two / "model.safetensors")))  # rank 0's save_pretrained of the gathered model
+    _assert_same(ref, load_file(str(two / "checkpoints" / "step-2" / "model.safetensors")))
+    _assert_same(ref, load_file(str(two_process / f"sft-{strategy}-resumed" / "model.safetensors")))  # 1 step + resume + 1 step
+    # rank 0 logs one row per step for the group: the loss and tokens of the whole global batch, and
+    # the same gradient norm (Adam would hide a wrong gradient scale in the weights; the norm does not)
+    for a, b in zip(_metrics(tmp_path / "one"), _metrics(two), strict=True):
+        assert b["tokens"] == a["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_grpo_on_fixed_rollouts_two_processes_equal_one(two_process, tmp_path, strategy):
+    from gcfamily.trainer import Trainer
+
+    one = Trainer(_cfg(tmp_path, **GRPO))
+    metrics = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
+    ref = {k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()}
+    _assert_same(ref, load_file(str(two_process / f"grpo-{strategy}.safetensors")))
+    two = json.loads((two_process / f"grpo-{strategy}.json").read_text())  # rank 0's step metrics
+    assert metrics["grad_norm"] > 0 and two["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+
+
+def test_cli_grpo_fsdp2_writes_a_plain_transformers_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "grpo", "--model", "tiny", "--nproc", "2", "--strategy", "fsdp2",
+           "--max-steps", "2", "--output-dir", str(out), "--set", "progress=false"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "done: 2 steps on 2 processes (fsdp2)" in res.stdout
+    model = AutoModelForCausalLM.from_pretrained(out)  # no torch.distributed involved
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
+    assert [r["step"] for r in _metrics(out)] == [1, 2]  # one log for the group, from rank 0
+
+
+def test_cli_user_error_is_one_line_before_any_process_starts(gcf, tmp_path):
+    code, out, err = gcf("run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--output-dir", str(tmp_path), "--set", "batch_size=3")
+    assert code == 2 and "batch_size=3" in err and "multiple of 2" in err and "Traceback" not in err
+
+
+def test_step_indices_split_the_global_batch_by_rank():
+    from gcfamily.methods.base import Method
+
+    def share(rank: int, world: int) -> list[int]:
+        m = Method(Config(batch_size=6, seed=3))
+        m.trainer = types.SimpleNamespace(dist=types.SimpleNamespace(rank=rank, world_size=world))
+        return m.step_indices(50, 4)
+
+    whole = share(0, 1)
+    assert share(0, 2) + share(1, 2) == whole  # contiguous shares: a prompt's group never straddles ranks
+    assert share(0, 3) + share(1, 3) + share(2, 3) == whole
+
+
+def test_checkpoint_resumes_only_on_the_process_count_that_wrote_it():
+    from gcfamily.distributed import local_state, strip_nproc
+
+    two = {"rng": "r0", "rank_rng": ["r0", "r1"]}
+    env = types.SimpleNamespace(rank=1, world_size=2)
+    assert local_state(two, env)["rng"] == "r1"
+    with pytest.raises(GcfError, match="--nproc 2"):
+        local_state(two, None)
+    with pytest.raises(GcfError, match="one process"):
+        local_state({"rng": "r0"}, env)
+    assert strip_nproc(["run", "--nproc", "2", "--max-steps", "3", "--nproc=4"]) == ["run", "--max-steps", "3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp2_bf16_mixed_precision_on_one_gpu(tmp_path):
+    """One NCCL process: float32 master weights sharded by FSDP2, bfloat16 forward, backward and sampling."""
+    import socket
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from gcfamily.distributed import DistEnv
+    from gcfamily.trainer import Trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=dev)
+    env = DistEnv(0, 1, 0, dev)
+    try:
+        tr = Trainer(_cfg(tmp_path, "fsdp2", device="cuda", method="grpo", batch_size=2, group_size=4, max_new_tokens=8, max_steps=2), dist_env=env)
+        assert env.compute_dtype == torch.bfloat16 and tr.dtype == torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in tr.policy.parameters())  # the shards the optimizer steps
+        tr.run()
+        assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    finally:
+        env.close()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert next(model.parameters()).dtype == torch.float32  # the master weights
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+# ----------------------------------------------------------------------------------
+# the two-process side (this file run as a script under torchrun)
+
+
+def _worker(out: Path) -> None:
+    torch.set_num_threads(1)
+    from gcfamily.distributed import DistEnv
+    from gcfamily.trainer import Trainer
+
+    env = DistEnv.from_env("cpu")
+    assert env is not None and env.world_size == 2
+    try:
+        for strategy in STRATEGIES:
+            Trainer(_cfg(out / f"sft-{strategy}", strategy, **SFT), dist_env=env).run()
+            resumed = Trainer(_cfg(out / f"sft-{strategy}-resumed", strategy, **SFT), resume=str(out / f"sft-{strategy}" / "checkpoints" / "step-1"), dist_env=env)
+            assert resumed.step == 1
+            resumed.run()
+
+            tr = Trainer(_cfg(out / f"grpo-{strategy}", strategy, **GRPO), dist_env=env)
+            batch = fixed_grpo_batch(tr.tokenizer)
+            per = len(batch["input_ids"]) // env.world_size
+            metrics = tr.train_step(tr.method.prepare(select(batch, slice(env.rank * per, (env.rank + 1) * per))))
+            weights = env.full_state_dict(tr.unwrapped_policy())
+            if env.is_main:
+                save_file(weights, str(out / f"grpo-{strategy}.safetensors"))
+                (out / f"grpo-{strategy}.json").write_text(json.dumps(metrics))
+    finally:
+        env.close()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
