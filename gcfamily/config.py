@@ -49,6 +49,11 @@ class Config:
     # --- the step
     max_steps: int = 100
     """Number of training steps (each step draws one batch)."""
+    max_time: float = 0.0
+    """Also stop once the training steps have taken this many seconds (evaluation not counted; 0 = no limit).
+    Checked after each step, so the last step may overrun; the lr schedule still spans max_steps."""
+    max_tokens: int = 0
+    """Also stop once this many tokens were generated plus trained on (loss tokens; 0 = no limit). Checked after each step."""
     batch_size: int = 8
     """Examples per step: rows for SFT, prompts for on-policy methods, pairs for DPO."""
     micro_batch_size: int = 8
@@ -165,6 +170,10 @@ class Config:
     """Recompute decoder layers in the backward to save memory."""
 
 
+    explicit: list = field(default_factory=list)
+    """Settings given by a recipe or on the command line (filled in by gcf); a method's own defaults never override them."""
+
+
 FIELDS = {f.name: f for f in fields(Config)}
 
 
@@ -263,15 +272,19 @@ def parse_sets(items: tuple[str, ...]) -> dict[str, str]:
 def resolve(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
     """Defaults, then the YAML recipe, then command-line values."""
     cfg = Config()
+    given: dict[str, Any] = {}
     if config_path:
-        cfg = apply(cfg, load_yaml(config_path), config_path)
-    return apply(cfg, overrides, "the command line")
+        given = load_yaml(config_path)
+        cfg = apply(cfg, given, config_path)
+    cfg = apply(cfg, overrides, "the command line")
+    return dataclasses.replace(cfg, explicit=sorted({k.replace("-", "_") for k in [*given, *overrides]}))
 
 
 def validate(cfg: Config) -> None:
     """Range checks shared by every method; a method checks its own fields in Method.validate."""
     checks = [
         (cfg.max_steps >= 0, "max_steps must be >= 0"),
+        (cfg.max_time >= 0 and cfg.max_tokens >= 0, "max_time and max_tokens must be >= 0 (0 = no limit)"),
         (cfg.batch_size >= 1, "batch_size must be >= 1"),
         (cfg.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
         (cfg.lr > 0, "lr (learning rate) must be > 0"),

@@ -57,6 +57,7 @@ class Trainer:
         validate(cfg)
         self.cfg = cfg
         self.method_cls = get_method(cfg.method)
+        self.method_cls.apply_setting_defaults(cfg)
         self.method_cls.validate(cfg)
         self.dist = dist_env
         self.is_main = dist_env is None or dist_env.rank == 0
@@ -83,6 +84,8 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
+        self.elapsed_s = 0.0  # seconds spent in training steps, for max_time
+        self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
         self._stop_signal: Optional[str] = None
         if state is not None:
             self._restore(state)
@@ -214,7 +217,7 @@ class Trainer:
         try:
             if cfg.eval_at_ends and self.step == 0:
                 self.logger.log(0, self.evaluate())
-            while self.step < cfg.max_steps:
+            while self.step < cfg.max_steps and not self.budget_spent():
                 t0 = time.perf_counter()
                 batch = self.method.data(self.step)
                 t_data = time.perf_counter()
@@ -231,12 +234,17 @@ class Trainer:
                 for k, v in batch.items():
                     if k.startswith("stat/") and isinstance(v, (int, float)):
                         metrics[k[5:]] = float(v)
+                # generated tokens: completion/length_mean (on-policy data) times the rows sampled
+                generated = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
+                self.elapsed_s += dt
+                self.tokens_seen += generated + metrics.get("tokens", 0.0)
+                metrics.update({"tokens/generated": generated, "budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen})
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
                 if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
                     metrics = self.dist.reduce_metrics(metrics)
                     self._stop_signal = self.dist.agree_stop(self._stop_signal)
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent():
                     self.logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
@@ -258,6 +266,11 @@ class Trainer:
                 bar.close()
             self.logger.close()
         return self.out_dir
+
+    def budget_spent(self) -> bool:
+        """max_time or max_tokens (when set) is used up."""
+        cfg = self.cfg
+        return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -288,7 +301,7 @@ class Trainer:
         return {
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
-            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps,
+            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen,
         }
 
     def save_checkpoint(self) -> Optional[Path]:
@@ -316,6 +329,7 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"], self.generator)
         self.step = int(state["step"])
         self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
+        self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
 
     def save_final(self) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers."""

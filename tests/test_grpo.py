@@ -101,11 +101,11 @@ def test_zero_std_groups_get_zero_advantage_and_are_counted(cls, zero_std):
 
 def test_dr_grpo_and_dapo_defaults():
     cfg = Config(method="dr-grpo", max_new_tokens=48)
-    DrGRPO.validate(cfg)
+    DrGRPO.apply_setting_defaults(cfg)
     assert cfg.norm_constant == 48.0 and DrGRPO(cfg).norm == "constant"  # filled before the settings are saved
-    cfg = Config(method="dr-grpo", max_new_tokens=48, norm_constant=100.0)
-    DrGRPO.validate(cfg)
-    assert cfg.norm_constant == 100.0  # a value the user set is kept
+    cfg = Config(method="dr-grpo", max_new_tokens=48, norm_constant=100.0, explicit=["norm_constant"])
+    DrGRPO.apply_setting_defaults(cfg)
+    assert cfg.norm_constant == 100.0  # a value the user set is kept, even one equal to the shared default
     assert make(DAPO).clip_range() == (0.2, 0.28) and make(GRPO).clip_range() == (0.2, 0.2)
 
 

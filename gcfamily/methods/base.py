@@ -13,7 +13,7 @@ suite can check, on random inputs, that the engine's gradient equals autograd of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 
@@ -49,6 +49,18 @@ class Method:
         self.trainer: Trainer | None = None
 
     # -- lifecycle -------------------------------------------------------------------
+    setting_defaults: ClassVar[dict[str, Any]] = {}
+    """This method's own defaults, e.g. {"beta": 0.1} for DPO, or a function of the settings
+    ({"norm_constant": lambda cfg: cfg.max_new_tokens}). They replace the shared defaults of
+    settings that no recipe or command line gave (cfg.explicit), before the settings are saved."""
+
+    @classmethod
+    def apply_setting_defaults(cls, cfg: Config) -> None:
+        """Fill in setting_defaults for the settings the user did not give."""
+        for key, value in cls.setting_defaults.items():
+            if key not in cfg.explicit:
+                setattr(cfg, key, value(cfg) if callable(value) else value)
+
     @classmethod
     def validate(cls, cfg: Config) -> None:
         """Check this method's settings; raise GcfError with one clear sentence."""

@@ -35,6 +35,7 @@ class DPO(Method):
     GC = +beta * sigmoid(h_l - h_w) on o_w's tokens and the negative on o_l's (derivation in the module docstring).
     """
 
+    setting_defaults = {"beta": 0.1}  # the shared beta default (0.04) is GRPO's KL weight
     name = "dpo"
     data_source = "preference pairs (prompt, chosen, rejected); offline: the task's answer vs a wrong one"
     gc_formula = "+beta*sigmoid(h_l - h_w) on chosen tokens, the negative on rejected; h = beta*sum_t log(pi/pi_ref)"
@@ -166,6 +167,7 @@ class ConservativeDPO(DPO):
     where sigmoid(m) = 1 - eps, so the margin stops growing there.
     """
 
+    setting_defaults = {"beta": 0.1, "label_smoothing": 0.1}  # the shared beta default (0.04) is GRPO's KL weight
     name = "cdpo"
     gc_formula = "+beta*((1-eps)*sigmoid(h_l - h_w) - eps*sigmoid(h_w - h_l)) on chosen tokens, the negative on rejected"
 
@@ -191,6 +193,7 @@ class SimPO(DPO):
     model is loaded or run.
     """
 
+    setting_defaults = {"beta": 2.0}  # the shared beta default (0.04) is GRPO's KL weight
     name = "simpo"
     gc_formula = "+(beta/|o_w|)*sigmoid(gamma - h_w + h_l) on chosen tokens, -(beta/|o_l|)*the same on rejected; h = (beta/|o|)*sum_t log pi"
     uses_reference = False

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from gcfamily.config import FIELDS, Config
+from gcfamily.config import Config
 from gcfamily.data import load_rows, prompt_ids
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
@@ -32,17 +32,9 @@ class OnPolicy(Method):
     """Base of the methods that train on their own samples; subclasses write prepare/coefficient."""
 
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
-    setting_defaults: ClassVar[dict[str, Any]] = {}
-    """This method's defaults for settings left at their Config default, e.g. {"norm_constant":
-    lambda cfg: cfg.max_new_tokens}. Filled in by `validate`, which runs before the settings are
-    saved, so run_config.json records the values that ran."""
-
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        for key, value in cls.setting_defaults.items():
-            if getattr(cfg, key) == FIELDS[key].default:
-                setattr(cfg, key, value(cfg) if callable(value) else value)
         if cfg.group_size < 1:
             raise GcfError("Invalid setting: group_size must be >= 1.")
 
