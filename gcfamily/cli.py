@@ -162,6 +162,10 @@ from gcfamily.theory.cli import theory  # noqa: E402
 
 main.add_command(theory)
 
+from gcfamily.bench import bench  # noqa: E402
+
+main.add_command(bench)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,337 @@
+"""`gcf bench`: several methods on one model, task and budget; a table, plots and every figure in JSON.
+
+    gcf bench                                   # SFT, RFT, GRPO, PPO, DPO on smollm2-135m / arithmetic
+    gcf bench --quick                           # the same suite on the tiny random model, in minutes
+    gcf bench --methods sft,grpo --budget time:300 --set eval_samples=100 --set grpo.lr=1e-6
+
+Each method is a normal Trainer run in its own folder OUT/<method>/ and its own subprocess, so the
+peak memory is that method's alone (the child's ru_maxrss, read with wait4). All runs share the
+seed, model, task and budget, and evaluate held-out accuracy before and after (eval_at_ends).
+The budget is the same number of optimizer steps (`steps:N`), of generated plus trained tokens
+(`tokens:N`, the trainer's max_tokens) or of seconds spent in training steps (`time:S`, the
+trainer's max_time; evaluation is not counted). With a token or time budget max_steps is only a
+cap (10000 unless --set max_steps=N).
+
+Besides what the trainer logs, each child records two things the trainer does not:
+- the GC distribution: it wraps the method's `coefficient` and keeps the GC of every loss token
+  (those of the effective mask; a random subsample past 200,000), from which OUT/bench.json gets
+  per-step quantiles and a histogram, and gc.png one histogram per method;
+- KL to the reference, the same way for every method: one completion per held-out prompt sampled
+  from the final policy at temperature 1, and the mean k3 estimator (rho - log rho - 1,
+  rho = pi_ref / pi) over its tokens against the untouched initial model.
+
+Outputs (written by gcfamily/bench_report.py): bench.md (the table), bench.json (every figure,
+per-step rows included), reward.png and accuracy.png (against step and against training wall
+time, one line per method), gc.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from gcfamily.bench_report import fmt, plots, summarise, table
+from gcfamily.errors import GcfError
+
+DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
+BUDGET_KINDS = ("steps", "tokens", "time")
+STEP_CAP = 10000
+GC_KEEP = 200_000
+
+# Settings every run of a suite shares, then each method's own recipe (lr, batch shape, beta).
+# The on-policy methods sample 4 prompts x 8 completions of at most 16 tokens (answers are short).
+_ONPOLICY = {"batch_size": 4, "group_size": 8, "max_new_tokens": 16, "temperature": 0.7, "micro_batch_size": 32}
+SUITES: dict[str, dict[str, Any]] = {
+    "default": {
+        "model": "smollm2-135m",
+        "budget": "time:210",  # the same training seconds for each method: 5 x (210 s + evaluations) stays within 30 min
+        "common": {"eval_samples": 64, "max_new_tokens": 16, "max_length": 256},
+        "methods": {
+            "sft": {"batch_size": 8, "micro_batch_size": 8, "lr": 2e-5},
+            "rft": {**_ONPOLICY, "lr": 1e-5},
+            "grpo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04},
+            "ppo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04, "critic_lr": 1e-5},
+            "dpo": {"batch_size": 8, "micro_batch_size": 16, "lr": 1e-6, "beta": 0.1},
+        },
+    },
+    "quick": {
+        "model": "tiny",
+        "budget": "steps:60",
+        "common": {"eval_samples": 32, "max_new_tokens": 8, "max_length": 128},
+        "methods": {
+            "sft": {"batch_size": 8, "micro_batch_size": 8, "lr": 3e-3},
+            "rft": {**_ONPOLICY, "max_new_tokens": 8, "lr": 3e-3},
+            "grpo": {**_ONPOLICY, "max_new_tokens": 8, "lr": 1e-3, "beta": 0.04},
+            "ppo": {**_ONPOLICY, "max_new_tokens": 8, "lr": 1e-3, "beta": 0.04, "critic_lr": 1e-3},
+            "dpo": {"batch_size": 8, "micro_batch_size": 16, "lr": 1e-3, "beta": 0.1},
+        },
+    },
+}
+
+
+# ----------------------------------------------------------------------------------
+# settings
+
+
+def parse_budget(budget: str) -> dict[str, Any]:
+    """`steps:N`, `tokens:N` or `time:SECONDS` -> the trainer settings that stop on it."""
+    kind, _, value = budget.partition(":")
+    try:
+        amount = float(value)
+    except ValueError:
+        amount = -1.0
+    if kind not in BUDGET_KINDS or amount <= 0:
+        raise GcfError(f"--budget {budget!r} must look like steps:N, tokens:N or time:SECONDS with a positive number.")
+    if kind == "steps":
+        return {"max_steps": int(amount)}
+    if kind == "tokens":
+        return {"max_tokens": int(amount), "max_steps": STEP_CAP}
+    return {"max_time": amount, "max_steps": STEP_CAP}
+
+
+def method_name(spec: str) -> str:
+    """The registered name of a method spec: a name in the method table, or module:Class of a user's method."""
+    if ":" in spec:
+        import importlib
+
+        module, cls = spec.split(":", 1)
+        try:
+            return getattr(importlib.import_module(module), cls).name
+        except (ImportError, AttributeError) as e:
+            raise GcfError(f"Method {spec} could not be imported ({e}); pass a registered name (gcf methods) or module:Class.") from e
+    from gcfamily.methods import get_method
+
+    get_method(spec)  # an unknown name is a clear error
+    return spec
+
+
+def default_methods() -> list[str]:
+    """The default suite; a method not (yet) in the table but shipped as a module runs by module:Class."""
+    from gcfamily.methods import METHODS
+
+    return [m if m in METHODS else f"gcfamily.methods.{m}:{m.upper()}" for m in DEFAULT_METHODS]
+
+
+def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: str, budget: dict[str, Any],
+                 sets: dict[str, str], out: Path) -> dict[str, Any]:
+    """Settings of one method's run: common, the method's recipe, the budget, then --set (KEY or METHOD.KEY)."""
+    s: dict[str, Any] = {"method": name, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
+                         "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
+    s.update(suite["common"])
+    s.update(suite["methods"].get(name, {}))
+    s.update(budget)
+    for key, value in sets.items():
+        target, _, field = key.rpartition(".")
+        if not target:
+            s[key] = value
+        elif target == name:
+            s[field] = value
+    from gcfamily.config import resolve, validate
+
+    validate(resolve(None, s))  # unknown keys and bad values fail here, before any run starts
+    return s
+
+
+# ----------------------------------------------------------------------------------
+# one method's run (the child process)
+
+
+class GCRecorder:
+    """Wraps a method's `coefficient` and keeps the GC of every loss token, per step."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch
+
+        from gcfamily.engine import effective_mask
+
+        self.trainer, self.values, self.per_step, self.n = trainer, [], {}, 0
+        self.gen = torch.Generator().manual_seed(0)
+        method = trainer.method
+        inner = method.coefficient
+
+        def recording(batch: dict, logps: torch.Tensor) -> torch.Tensor:
+            coef = inner(batch, logps)
+            v = coef.detach()[effective_mask(batch).bool()].float().cpu()
+            self.per_step.setdefault(trainer.step + 1, []).append(v)
+            return coef
+
+        method.coefficient = recording
+
+    def summary(self) -> dict[str, Any]:
+        """Per-step quantiles, overall quantiles and a 40-bin histogram of the recorded GC values."""
+        import torch
+
+        qs = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+        steps = {}
+        for step, parts in sorted(self.per_step.items()):
+            v = torch.cat(parts)
+            if v.numel():
+                steps[step] = dict(zip(["p5", "p25", "p50", "p75", "p95"], _quantiles(v, qs)))
+        allv = torch.cat([torch.cat(p) for p in self.per_step.values()]) if self.per_step else torch.zeros(0)
+        if allv.numel() > GC_KEEP:
+            allv = allv[torch.randperm(allv.numel(), generator=self.gen)[:GC_KEEP]]
+        if not allv.numel():
+            return {"per_step": steps, "tokens": 0}
+        lo, hi = float(allv.min()), float(allv.max())
+        if hi - lo < 1e-12:
+            lo, hi = lo - 0.5, hi + 0.5
+        counts = torch.histc(allv.double(), bins=40, min=lo, max=hi)
+        return {
+            "per_step": steps, "tokens": int(allv.numel()),
+            "quantiles": dict(zip(["p5", "p25", "p50", "p75", "p95"], _quantiles(allv, qs))),
+            "mean": float(allv.mean()), "std": float(allv.std()) if allv.numel() > 1 else 0.0,
+            "zero_frac": float((allv == 0).float().mean()),
+            "hist": {"counts": [int(c) for c in counts.tolist()], "lo": lo, "hi": hi},
+        }
+
+
+def _quantiles(v: Any, qs: Any) -> list[float]:
+    import torch
+
+    v = v.double()
+    if v.numel() > 1_000_000:  # torch.quantile's limit
+        v = v[:: v.numel() // 1_000_000 + 1]
+    return [float(x) for x in torch.quantile(v, qs.double())]
+
+
+def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
+    """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy."""
+    import torch
+
+    from gcfamily.data import prompt_ids
+    from gcfamily.models import load_model
+    from gcfamily.rollout import SamplingSettings, generate
+
+    cfg, task = trainer.cfg, trainer.task
+    if task is None or not trainer.method.trains_policy:
+        return None
+    policy = trainer.unwrapped_policy().eval()
+    rows = task.rows("test", n_prompts)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], 1,
+                  SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
+    batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
+    ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model
+    lp, lr = trainer.logprobs(policy, batch), trainer.logprobs(ref.eval(), batch)  # [N, L] each
+    mask = batch["loss_mask"].bool()
+    d = (lr - lp).double()[mask]
+    return float((torch.expm1(d) - d).mean()) if d.numel() else None
+
+
+def child(spec_path: str) -> None:
+    """Run one method as a normal Trainer run; write the GC record and the KL next to its metrics."""
+    from gcfamily.config import resolve
+    from gcfamily.methods import METHODS
+    from gcfamily.trainer import Trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    if ":" in spec["method_spec"]:  # a user's method (or one not yet in the table) by module:Class
+        METHODS[spec["settings"]["method"]] = spec["method_spec"]
+    cfg = resolve(None, spec["settings"])  # as `gcf run --set`: these count as given, over any method default
+    trainer = Trainer(cfg)
+    recorder = GCRecorder(trainer)
+    t0 = time.perf_counter()
+    trainer.run()
+    run_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    kl = kl_to_reference(trainer, min(cfg.eval_samples, 64))
+    extra = {"gc": recorder.summary(), "kl_ref": kl, "kl_s": time.perf_counter() - t1, "run_s": run_s, "steps": trainer.step,
+             "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())}
+    (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
+
+
+# ----------------------------------------------------------------------------------
+# the parent: launch, collect, write
+
+
+def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run one child to the end; returns its exit code, wall time and peak resident memory."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path = folder / "bench_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    t0 = time.perf_counter()
+    with (folder / "bench.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gcfamily.bench", str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "max_rss_mb": usage.ru_maxrss / 1024}
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        return "?"
+
+
+def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optional[str], quick: bool,
+              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print) -> dict[str, Any]:
+    """Run every method in its own subprocess, then write bench.md, bench.json and the plots into out."""
+    suite = SUITES["quick" if quick else "default"]
+    model = model or suite["model"]
+    budget = budget or suite["budget"]
+    stop = parse_budget(budget)
+    names = {spec: method_name(spec) for spec in methods}
+    if len(set(names.values())) != len(names):
+        raise GcfError(f"--methods names a method twice ({', '.join(methods)}).")
+    plans = {names[s]: {"method_spec": s, "settings": run_settings(suite, s, names[s], model, task, stop, sets, out)} for s in methods}
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    threads = threads or (1 if quick else None)  # a tiny model gains nothing from a second thread, and loses much on a busy machine
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    header = {"model": model, "task": task, "budget": budget, "load_start": _load(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({threads or 'all'} torch threads), {platform.system()}, python {platform.python_version()}"}
+    t0 = time.perf_counter()
+    results = {}
+    for name, plan in plans.items():
+        echo(f"[bench] {name}: running ({out / name}/bench.log)")
+        proc = launch(plan, out / name, env)
+        results[name] = summarise(out / name, proc)
+        r = results[name]
+        if proc["returncode"] != 0:
+            echo(f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log")
+        else:
+            echo(f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
+                 f"{fmt(r.get('accuracy_after'), '.3f')}, {fmt(r.get('step_s_median'), '.3g')} s/step, peak {proc['max_rss_mb']:.0f} MB")
+    header.update(load_end=_load(), total_s=time.perf_counter() - t0)
+    (out / "bench.md").write_text(table(results, header))
+    (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
+                                                "results": results}, indent=1, default=str))
+    pngs = plots(results, out)
+    echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}, " + ", ".join(str(p) for p in pngs))
+    return {"header": header, "results": results}
+
+
+@click.command("bench")
+@click.option("--methods", default=None, help=f"Comma-separated methods (names or module:Class); default {','.join(DEFAULT_METHODS)}.")
+@click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
+@click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
+@click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS, the same for each method; default time:210 (steps:60 with --quick).")
+@click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
+@click.option("--out", default=None, help="Output folder; default runs/bench (runs/bench-quick with --quick).")
+@click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")
+@click.option("--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default.")
+def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optional[str], quick: bool, out: Optional[str],
+          sets: tuple[str, ...], threads: Optional[int]) -> None:
+    """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
+    from gcfamily.config import parse_sets
+
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
+    folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
+    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo)
+    failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
+    if failed:
+        raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])

@@ -1,0 +1,78 @@
+"""`gcf bench` end to end on the tiny model, and the token / time budgets it stops runs on."""
+
+import json
+
+import pytest
+
+from conftest import metrics_rows
+from gcfamily.bench import DEFAULT_METHODS, SUITES, default_methods, method_name, parse_budget, run_settings
+from gcfamily.config import resolve
+from gcfamily.errors import GcfError
+
+
+METHODS = ["sft", "grpo", "dpo"]  # one of each data source; every child pays a few seconds of imports
+
+
+def test_quick_bench_writes_table_plots_and_json(gcf, tmp_path):
+    out = tmp_path / "bench"
+    code, stdout, stderr = gcf("bench", "--quick", "--methods", ",".join(METHODS), "--budget", "steps:2", "--out", str(out),
+                               "--set", "eval_samples=8")
+    assert code == 0, stdout + stderr
+    table = (out / "bench.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [r.split("|")[1].strip() for r in rows] == METHODS  # one row per method, none failed
+    for png in ("reward.png", "accuracy.png", "gc.png"):
+        assert (out / png).stat().st_size > 1000, png
+    res = json.loads((out / "bench.json").read_text())["results"]
+    for name in METHODS:
+        r = res[name]
+        assert r["returncode"] == 0 and r["steps"] == 2, name
+        assert r["accuracy_before"] is not None and r["accuracy_after"] is not None  # eval_at_ends in every run
+        assert r["kl_ref"] is not None and r["kl_ref"] >= 0  # k3 is never negative
+        assert r["max_rss_mb"] > 0 and r["gc"]["tokens"] > 0
+        assert sum(r["gc"]["hist"]["counts"]) == r["gc"]["tokens"]
+    assert res["sft"]["gc"]["quantiles"]["p50"] == 1.0  # SFT: GC = 1 on every loss token
+    assert res["sft"]["generated_tokens"] == 0 and res["grpo"]["generated_tokens"] > 0
+    assert res["grpo"]["reward_final"] is not None and res["sft"]["reward_final"] is None
+
+
+def test_token_and_time_budgets_stop_the_trainer(gcf, tmp_path):
+    out = tmp_path / "tokens"
+    code, _, err = gcf("run", "--method", "grpo", "--model", "tiny", "--max-steps", "50", "--output-dir", str(out),
+                       "--set", "max_tokens=300", "--set", "batch_size=2", "--set", "group_size=4", "--set", "max_new_tokens=8",
+                       "--set", "progress=false")
+    assert code == 0, err
+    rows = metrics_rows(out)
+    seen = [r["budget/tokens"] for r in rows]
+    assert seen[-1] >= 300 and all(s < 300 for s in seen[:-1]) and len(rows) < 50  # stops on the first step past it
+    for r in rows:  # generated (sampled completions) plus trained (loss tokens)
+        assert r["tokens/generated"] > 0
+    assert seen[0] == rows[0]["tokens/generated"] + rows[0]["tokens"]
+
+    out = tmp_path / "time"
+    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "50", "--output-dir", str(out),
+                       "--set", "max_time=1e-9", "--set", "progress=false", "--eval")
+    assert code == 0, err
+    rows = metrics_rows(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1]  # any step spends the budget
+    assert rows[-1]["step"] == 1 and "eval/accuracy" in rows[-1]  # the final evaluation still runs
+
+
+def test_default_suite_resolves_every_method():
+    assert [method_name(m) for m in default_methods()] == list(DEFAULT_METHODS)  # ppo by module:Class until it is registered
+    assert set(SUITES["default"]["methods"]) == set(SUITES["quick"]["methods"]) == set(DEFAULT_METHODS)
+
+
+def test_budget_and_settings_errors(gcf, tmp_path):
+    assert parse_budget("steps:5") == {"max_steps": 5}
+    assert parse_budget("time:90") == {"max_time": 90.0, "max_steps": 10000}
+    with pytest.raises(GcfError, match="steps:N, tokens:N or time:SECONDS"):
+        parse_budget("weeks:2")
+    s = resolve(None, run_settings(SUITES["quick"], "grpo", "grpo", "tiny", "arithmetic", {"max_steps": 3}, {"lr": "0.5", "dpo.beta": "0.3"}, tmp_path))
+    assert s.lr == 0.5 and s.beta == 0.04 and s.max_steps == 3  # METHOD.KEY only reaches that method
+    code, _, err = gcf("bench", "--quick", "--budget", "weeks:2", "--out", str(tmp_path / "b"))
+    assert code == 2 and "--budget 'weeks:2'" in err
+    code, _, err = gcf("bench", "--quick", "--methods", "sft,nope", "--out", str(tmp_path / "b"))
+    assert code == 2 and "Unknown method 'nope'" in err
+    code, _, err = gcf("bench", "--quick", "--methods", "sft", "--set", "bogus=1", "--out", str(tmp_path / "b"))
+    assert code == 2 and "Unknown setting 'bogus'" in err
