@@ -19,7 +19,9 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from gcfamily.errors import GcfError
 
 _STOP_CHECK_EVERY = 4  # decode for stop strings every few tokens; a final exact pass fixes the lengths
-_COMPACT_FRACTION = 0.125  # drop ended rows once they are this share of the batch
+# Copying a row's KV cache costs about a tenth of a decode step for that row (SmolLM2-135M, CPU), so ended
+# rows are dropped once (ended rows x steps left) reaches this share of the batch.
+_COMPACT_AFTER = 0.25
 
 
 @dataclass
@@ -37,7 +39,8 @@ class SamplingSettings:
     greedy: bool = False
     """Take the argmax; temperature, top_p and top_k are ignored and logps are at temperature 1."""
     stop_strings: tuple[str, ...] = ()
-    """A completion ends at the token that completes the first of these in its decoded text."""
+    """A completion ends at the token that completes one of these in its decoded text; the text is cut just
+    after it (the stop string is kept, as its tokens are in completion_mask)."""
 
 
 @dataclass
@@ -119,6 +122,26 @@ def _left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.T
     return ids.to(device), mask.to(device)
 
 
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Index [B, 1] drawn from each row of non-negative `weights` [B, K] by the uniforms `u` [B, 1].
+
+    Two levels, chunk sums then one chunk: a full-row cumsum is a slow sequential scan on CPU (about
+    10x this whole function at a 50k vocabulary). Targets are kept strictly inside the chosen
+    range, so a token of zero weight (filtered, or padding) is never returned.
+    """
+    B, K = weights.shape
+    padded = weights if K % chunk == 0 else torch.nn.functional.pad(weights, (0, -K % chunk))
+    blocks = padded.view(B, -1, chunk)  # [B, K/chunk, chunk]
+    sums = blocks.sum(-1)  # [B, K/chunk]
+    cdf = sums.cumsum(-1)  # [B, K/chunk]
+    target = u * cdf[:, -1:] * (1 - 1e-6)  # [B, 1], below the total despite rounding
+    block = torch.searchsorted(cdf, target, right=True)  # [B, 1], a block of positive sum
+    inner = blocks.gather(1, block[:, :, None].expand(-1, -1, chunk))[:, 0].cumsum(-1)  # [B, chunk]
+    rest = (target - cdf.gather(-1, block) + sums.gather(-1, block)).clamp(min=0)
+    rest = torch.minimum(rest, inner[:, -1:] * (1 - 1e-6))
+    return block * chunk + torch.searchsorted(inner, rest, right=True)
+
+
 def sample_tokens(
     logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,32 +155,22 @@ def sample_tokens(
     if settings.greedy:
         tokens = logits.argmax(-1)  # [B]
         return tokens, logits.gather(-1, tokens[:, None])[:, 0] - logits.logsumexp(-1)
-    # On CPU each pass over a 50k vocabulary costs about as much as a layer of a small model, so
-    # work in one buffer in place, and skip the temperature pass at 1.
-    inv_t = 1.0 / settings.temperature
-    top = logits.amax(-1, keepdim=True)  # [B, 1]
-    weights = logits - top  # [B, V]
-    if inv_t != 1.0:
-        weights.mul_(inv_t)
-    weights.exp_()  # unnormalised probabilities, the largest 1
-    log_total = weights.sum(-1).log()  # [B]
-    ids = None
+    probs = torch.softmax(logits if settings.temperature == 1 else logits / settings.temperature, -1)  # [B, V]
+    weights, ids = probs, None
     if settings.top_k > 0:
-        weights, ids = weights.topk(min(settings.top_k, weights.shape[-1]), dim=-1)  # [B, K], sorted
+        weights, ids = probs.topk(min(settings.top_k, probs.shape[-1]), dim=-1)  # [B, K], sorted
     elif settings.top_p < 1.0:
-        weights, ids = weights.sort(dim=-1, descending=True)  # [B, V]
+        weights, ids = probs.sort(dim=-1, descending=True)  # [B, V]
     if settings.top_p < 1.0:
         # Keep a token iff the mass ranked above it is still short of top_p (of the top-k mass, if any).
         above = weights.cumsum(-1) - weights  # [B, K]
         weights = weights.masked_fill(above >= settings.top_p * (above[:, -1:] + weights[:, -1:]), 0.0)
-    # Inverse-CDF sampling takes one uniform per row, so a CPU generator can drive a CUDA model.
-    cdf = weights.cumsum(-1)  # [B, K]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=generator.device if generator else cdf.device)
-    # Shrinking by 1e-6 keeps the target strictly below the total despite rounding, so the first
-    # cdf entry above it always belongs to a token of positive weight.
-    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:] * (1 - 1e-6), right=True)  # [B, 1]
-    tokens = (idx if ids is None else ids.gather(-1, idx))[:, 0]  # [B]
-    return tokens, (logits.gather(-1, tokens[:, None])[:, 0] - top[:, 0]) * inv_t - log_total
+    # One uniform per row, drawn where the generator lives: a CPU generator can drive a CUDA model.
+    u = torch.rand(len(weights), 1, generator=generator, device=generator.device if generator else weights.device)
+    idx = _inverse_cdf(weights, u.to(weights.device))  # [B, 1]
+    tokens = idx if ids is None else ids.gather(-1, idx)  # [B, 1]
+    # A sampled token's probability is far above float32's smallest normal, so its log is exact enough.
+    return tokens[:, 0], probs.gather(-1, tokens)[:, 0].log()
 
 
 def _eos_ids(model, tokenizer, eos_token_ids: list[int] | None) -> list[int]:
@@ -259,8 +272,8 @@ def generate(
         n_done = int(ended_a.sum())  # the one host sync per token
         if n_done == len(active) or t == C - 1:
             break
-        if n_done >= max(1, _COMPACT_FRACTION * len(active)):
-            # Drop ended rows so later steps spend nothing on them; batching the drops amortises the copy.
+        if n_done and n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active):
+            # Drop ended rows so later steps spend nothing on them, once the row-steps that saves outweigh the copy.
             lengths[active], ended[active] = len_a, ended_a
             live = (~ended_a).nonzero()[:, 0]  # [A']
             cache.batch_select_indices(live)

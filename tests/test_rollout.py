@@ -106,6 +106,10 @@ def test_masks_lengths_and_truncation(model, tokenizer, prompts):
         assert not any(t in eos for t in row[: L - 1].tolist())  # the first EOS ends it and is kept
         assert (row[L:] == PAD).all()
     assert torch.equal(ro.prompt_index, torch.arange(len(prompts)).repeat_interleave(8))
+    for n, i in enumerate(ro.prompt_index.tolist()):  # prompts left-padded, G rows each
+        p = prompts[i]
+        assert ro.input_ids[n, P - len(p):P].tolist() == p and ro.attention_mask[n, :P].sum() == len(p)
+    assert len({tuple(r) for r in comp[:8].tolist()}) > 1  # one shared prefill, yet G different samples
 
 
 def test_stop_string_ends_completion(model, tokenizer):
@@ -152,6 +156,19 @@ def test_top_p_never_samples_outside_the_nucleus():
     assert torch.allclose(logps, logits[0].log_softmax(-1)[tokens])  # recorded logps are unfiltered
     top2, _ = sample_tokens(logits, SamplingSettings(top_k=2, top_p=0.99), torch.Generator().manual_seed(0))
     assert set(top2.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("V", [300, 512])  # padded to the sampler's chunk, and not
+def test_sampler_draws_from_the_softmax(V):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g) * 2
+    logits[::7] = float("-inf")  # tokens of probability zero must never come out
+    n = 40000
+    tokens, _ = sample_tokens(logits.repeat(n, 1), SamplingSettings(temperature=0.8), g)
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    p = torch.softmax(logits / 0.8, -1)
+    assert freq[::7].sum() == 0
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-4).all()  # within 5 sigma everywhere
 
 
 def test_top_p_in_generate_stays_in_the_models_nucleus(model, tokenizer, prompts):
