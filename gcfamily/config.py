@@ -34,7 +34,7 @@ class Config:
     dataset_split: str = "train"
     """Split of the dataset to train on."""
     output_dir: str = "runs/default"
-    """Run folder: config, metrics.jsonl, TensorBoard events, checkpoints and the final model."""
+    """Run folder: settings, metrics.jsonl, TensorBoard events, checkpoints and the final model. `gcf run` without it makes runs/METHOD-MODEL-TIME."""
     overwrite: bool = False
     """Allow writing into an output folder that holds another run."""
     seed: int = 0
