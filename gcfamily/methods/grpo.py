@@ -27,11 +27,11 @@ from gcfamily.config import Config
 from gcfamily.engine import effective_mask
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
-from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups, masked_group_stats
+from gcfamily.methods.onpolicy import ClippedOnPolicy, all_equal_groups, masked_group_stats
 from gcfamily.models import load_reference
 
 
-class GRPO(OnPolicy):
+class GRPO(ClippedOnPolicy):
     """Group Relative Policy Optimization; subclass and override one function for a variant."""
 
     name = "grpo"
@@ -54,12 +54,6 @@ class GRPO(OnPolicy):
         self.ref = load_reference(trainer.unwrapped_policy()) if self.cfg.beta > 0 else None
         self.ref_refreshes = 0
 
-    def inner_epochs(self) -> int:
-        return self.cfg.mu
-
-    def num_minibatches(self) -> int:
-        return self.cfg.num_minibatches
-
     # -- the rule, as small functions a variant overrides one of ----------------------
     def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """A [n, G] from rewards [n, G]: (R_i - mean) / std over the valid samples of each group."""
@@ -67,16 +61,6 @@ class GRPO(OnPolicy):
         equal = all_equal_groups(rewards, valid)[:, None]  # [n, 1] std == 0: advantage 0, no division
         adv = (rewards.double() - mean[:, None]) / torch.where(equal, 1.0, std[:, None].double())
         return adv.masked_fill(equal | ~valid, 0.0).float()
-
-    def clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) of the ratio's clip; symmetric unless epsilon_high is set."""
-        eps_high = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
-        return self.cfg.epsilon, eps_high
-
-    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        """Where min() picks the clipped branch, whose gradient is 0."""
-        lo, hi = self.clip_range()
-        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
 
     # -- prepare, coefficient, objective ---------------------------------------------
     def add_advantages(self, batch: Batch) -> Batch:

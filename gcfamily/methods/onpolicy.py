@@ -123,6 +123,26 @@ class OnPolicy(Method):
         return self.cfg.temperature
 
 
+class ClippedOnPolicy(OnPolicy):
+    """What GRPO and PPO share: mu passes over minibatches, and the clipped-ratio indicator."""
+
+    def inner_epochs(self) -> int:
+        return self.cfg.mu
+
+    def num_minibatches(self) -> int:
+        return self.cfg.num_minibatches
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the ratio's clip; symmetric unless epsilon_high is set."""
+        hi = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
+        return self.cfg.epsilon, hi
+
+    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Where min() picks the clipped branch, whose gradient is 0."""
+        lo, hi = self.clip_range()
+        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
+
+
 def masked_group_stats(rewards: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean, std and count of the valid rewards of each group; rewards/valid are [n, G] -> [n] each.
 

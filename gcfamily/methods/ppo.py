@@ -39,7 +39,7 @@ from gcfamily.data import to_device
 from gcfamily.engine import build_optimizer, effective_mask, grads_finite, position_ids_from_mask
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
-from gcfamily.methods.onpolicy import OnPolicy
+from gcfamily.methods.onpolicy import ClippedOnPolicy
 from gcfamily.models import load_model, load_reference
 
 
@@ -128,7 +128,7 @@ def module_mb(module: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 # the method
 
 
-class PPO(OnPolicy):
+class PPO(ClippedOnPolicy):
     """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022): GC = r_t * A_t * 1[not clipped], A_t by GAE."""
 
     name = "ppo"
@@ -172,22 +172,6 @@ class PPO(OnPolicy):
         if self.cfg.activation_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
         return ValueModel(backbone, backbone.config.hidden_size).to(trainer.device).train()
-
-    def inner_epochs(self) -> int:
-        return self.cfg.mu
-
-    def num_minibatches(self) -> int:
-        return self.cfg.num_minibatches
-
-    def clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) of the ratio's clip; symmetric unless epsilon_high is set."""
-        hi = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
-        return self.cfg.epsilon, hi
-
-    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        """Where min() picks the clipped branch, whose gradient is 0."""
-        lo, hi = self.clip_range()
-        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
 
     # -- prepare: values, per-token rewards, GAE -------------------------------------
     @torch.no_grad()
