@@ -203,20 +203,9 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     if not (batch["advantages"] != 0).any():
         batch["rewards"] = torch.arange(8.0) % 3  # the random model rarely scores: make the groups differ
         batch = m.add_advantages(batch)
-    mbs = split_batch(batch, 3)
-    Z = engine.normaliser(mbs, m.norm)
-    params = [p for p in tr.policy.parameters() if p.requires_grad]
-    tr.policy.zero_grad()
-    for mb in mbs:
-        lp = engine.token_logprobs(tr.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).logps
-        engine.weighted_loss(m.coefficient(mb, lp.detach()), lp, mb, m.norm, Z).backward()
-    got = [p.grad.clone() for p in params]
-    tr.policy.zero_grad()
-    lp = engine.token_logprobs(tr.policy, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).logps
-    (-m.objective(batch, lp, Z)).backward()
-    for a, b in zip(got, (p.grad for p in params)):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
-    tr.policy.zero_grad()
+    from conftest import assert_engine_grad_matches_objective
+
+    assert_engine_grad_matches_objective(tr, batch, micro=3)
 
 
 # ----------------------------------------------------------------------------- the pipeline

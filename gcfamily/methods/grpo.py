@@ -18,7 +18,7 @@ over the samples of the step), the chapter's 1/G sum_i 1/|o_i| sum_t.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from einops import rearrange, repeat
@@ -38,8 +38,6 @@ class GRPO(ClippedOnPolicy):
     data_source = "on-policy groups of G outputs per prompt"
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = (R_i - mean R) / std R over the group"
     default_norm = "sequence"
-    kl_clamp: ClassVar[float] = 20.0
-    """|log(pi_ref/pi)| beyond this is clamped before exp (in J and GC alike), so rho never overflows."""
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod

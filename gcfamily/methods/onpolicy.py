@@ -126,6 +126,9 @@ class OnPolicy(Method):
 class ClippedOnPolicy(OnPolicy):
     """What GRPO and PPO share: mu passes over minibatches, and the clipped-ratio indicator."""
 
+    kl_clamp: float = 20.0
+    """|log(pi_ref/pi)| beyond this is clamped before exp (in J and GC alike), so rho never overflows."""
+
     def inner_epochs(self) -> int:
         return self.cfg.mu
 

@@ -135,8 +135,6 @@ class PPO(ClippedOnPolicy):
     data_source = "the policy's own samples (G per prompt), scored by the reward; a learned critic supplies the baseline"
     gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_in_reward),  A_t = GAE(gamma, lam) on a learned value model"
     default_norm = "token"
-    kl_clamp: ClassVar[float] = 20.0
-    """|log(pi_ref/pi)| beyond this is clamped before exp (in J and GC alike), as in GRPO."""
     whiten_advantages: ClassVar[bool] = True
     """Whiten the GAE advantages over the step's valid tokens (a subclass may switch it off)."""
 
