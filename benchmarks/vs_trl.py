@@ -76,7 +76,7 @@ def step_rows(n: int, steps: int, batch: int) -> list[int]:
 # the two children
 
 
-def run_gcfamily(case: dict, model: str, steps: int, out: Path) -> dict:
+def run_gcfamily(case: dict, model: str, steps: int, out: Path, extra: dict) -> dict:
     from gcfamily.config import resolve
     from gcfamily.logger import read_metrics
     from gcfamily.trainer import Trainer
@@ -86,7 +86,7 @@ def run_gcfamily(case: dict, model: str, steps: int, out: Path) -> dict:
                              max_steps=steps, batch_size=case["batch_size"], micro_batch_size=rows_per_step, lr=case["lr"],
                              beta=case.get("beta", 0.04), group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
                              temperature=1.0, top_p=1.0, top_k=0, grad_clip=1.0, max_length=1024, eval_at_ends=False, progress=False,
-                             save_every=0, keep_last=1, output_dir=str(out), overwrite=True))  # all given: no method default replaces them
+                             save_every=0, keep_last=1, output_dir=str(out), overwrite=True) | extra)  # all given: no method default replaces them
     trainer = Trainer(cfg)
     trainer.run()
     rows = [r for r in read_metrics(out) if "time/step_s" in r]
@@ -189,11 +189,11 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
 # the parent
 
 
-def launch(framework: str, case_name: str, model: str, steps: int, work: Path, dpo_ref: str) -> dict:
+def launch(framework: str, case_name: str, model: str, steps: int, work: Path, dpo_ref: str, gcf_set: list[str]) -> dict:
     out = work / f"{framework}-{case_name}-{time.time_ns()}"
     res_path = out.with_suffix(".json")
     cmd = [sys.executable, __file__, "--child", framework, "--cases", case_name, "--model-dir", model, "--steps", str(steps),
-           "--result", str(res_path), "--dpo-ref", dpo_ref]
+           "--result", str(res_path), "--dpo-ref", dpo_ref] + [x for kv in gcf_set for x in ("--gcf-set", kv)]
     log = out.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--reps", type=int, default=2, help="runs per framework and case, alternating")
     ap.add_argument("--dpo-ref", default="precompute", choices=["precompute", "per-step"])
+    ap.add_argument("--gcf-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a gcfamily setting away from the matched one, e.g. micro_batch_size=8 (same gradient, less memory)")
     ap.add_argument("--json", default=None, help="also write every figure here")
     ap.add_argument("--child", choices=["gcfamily", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -222,7 +224,9 @@ def main() -> None:
     if a.child:
         case = CASES[a.cases]
         out = Path(a.result).with_suffix("")
-        res = run_gcfamily(case, a.model_dir, a.steps, out) if a.child == "gcfamily" else run_trl(case, a.model_dir, a.steps, out, a.dpo_ref)
+        from gcfamily.config import parse_sets
+
+        res = run_gcfamily(case, a.model_dir, a.steps, out, parse_sets(tuple(a.gcf_set))) if a.child == "gcfamily" else run_trl(case, a.model_dir, a.steps, out, a.dpo_ref)
         Path(a.result).write_text(json.dumps(res))
         return
 
@@ -241,13 +245,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     model = model_folder(a.model, work)
     print(f"TRL {trl.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), model {a.model}, float32 CPU, "
-          f"{a.steps} steps per run (first dropped), {a.reps} runs per framework, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{a.steps} steps per run (first dropped), {a.reps} runs per framework, load average {os.getloadavg()[0]:.2f}"
+          + (f"; gcfamily NOT matched: {' '.join(a.gcf_set)}" if a.gcf_set else ""), flush=True)
     report = {}
     for name in cases:
         runs: dict[str, list[dict]] = {"gcfamily": [], "trl": []}
         for rep in range(a.reps):
             for fw in ("gcfamily", "trl") if rep % 2 == 0 else ("trl", "gcfamily"):
-                r = launch(fw, name, model, a.steps, work, a.dpo_ref)
+                r = launch(fw, name, model, a.steps, work, a.dpo_ref, a.gcf_set)
                 runs[fw].append(r)
                 gen = f", generation {statistics.median(r['generation_s'][1:] or r['generation_s']):.2f} s for " \
                       f"{statistics.median(r['generated_tokens'][1:] or r['generated_tokens']):.0f} tokens" if any(r.get("generated_tokens", [])) else ""
@@ -272,7 +277,7 @@ def main() -> None:
         print(f"{name}: gcfamily {g['step_s']:.2f} s/step, peak {g['peak_rss_mb']:.0f} MB | TRL {t['step_s']:.2f} s/step, peak "
               f"{t['peak_rss_mb']:.0f} MB | ratio {summary['ratio_step_s']:.2f}x time, {summary['ratio_peak_rss']:.2f}x memory{gen}", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "trl": trl.__version__, "torch": torch.__version__, "cases": report}, indent=1))
+        Path(a.json).write_text(json.dumps({"model": a.model, "gcf_set": a.gcf_set, "trl": trl.__version__, "torch": torch.__version__, "cases": report}, indent=1))
 
 
 if __name__ == "__main__":
