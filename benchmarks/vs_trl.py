@@ -16,8 +16,12 @@ last step, before anything is saved; the child's whole-life ru_maxrss (wait4) is
 Settings are matched one to one (see CASES): the same model folder (identical weights), the same
 arithmetic rows in the same order (TRL's shuffling is off and its dataset is gcfamily's step
 order), batch, group size, completion length, beta, temperature 1 without top-k/top-p, float32,
-AdamW, lr, gradient clipping at 1, no gradient accumulation, no gradient checkpointing, no
+AdamW, lr, gradient clipping at 1, no gradient accumulation in TRL, no gradient checkpointing, no
 evaluation, no saving and no logging in TRL (logging_steps past the run, report_to none).
+gcfamily runs with its own defaults for what does not change the gradient: micro-batches of 8 rows
+(Z is counted over the whole step first, so 8 micro-batches give the one-batch gradient) and shared
+prompts run once per group (share_prefix). `--gcf-set micro_batch_size=64 --gcf-set share_prefix=false`
+runs it as one 64-row pass over every full row instead, as TRL does.
 GRPO: one generation per step (steps_per_generation 1, num_iterations 1, so neither computes
 pi_old), loss_type "grpo" (= gcfamily's "sequence" normalisation), group-std scaling; the reward
 is the task's own numeric reward in both. DPO: TRL precomputes the reference log-probs before
@@ -81,9 +85,8 @@ def run_gcfamily(case: dict, model: str, steps: int, out: Path, extra: dict) -> 
     from gcfamily.logger import read_metrics
     from gcfamily.trainer import Trainer
 
-    rows_per_step = case["batch_size"] * case.get("group_size", 1) * (2 if case["method"] == "dpo" else 1)
     cfg = resolve(None, dict(method=case["method"], model=model, task="arithmetic", seed=SEED, device="cpu", dtype="float32",
-                             max_steps=steps, batch_size=case["batch_size"], micro_batch_size=rows_per_step, lr=case["lr"],
+                             max_steps=steps, batch_size=case["batch_size"], lr=case["lr"],
                              beta=case.get("beta", 0.04), group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
                              temperature=1.0, top_p=1.0, top_k=0, grad_clip=1.0, max_length=1024, eval_at_ends=False, progress=False,
                              save_every=0, keep_last=1, output_dir=str(out), overwrite=True) | extra)  # all given: no method default replaces them
@@ -214,7 +217,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs per framework and case, alternating")
     ap.add_argument("--dpo-ref", default="precompute", choices=["precompute", "per-step"])
     ap.add_argument("--gcf-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="change a gcfamily setting away from the matched one, e.g. micro_batch_size=8 (same gradient, less memory)")
+                    help="change a gcfamily setting, e.g. micro_batch_size=64 (same gradient, more memory)")
+    ap.add_argument("--frameworks", default="gcfamily,trl", help="which to run (one alone: its own figures, no ratio)")
     ap.add_argument("--json", default=None, help="also write every figure here")
     ap.add_argument("--child", choices=["gcfamily", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -230,12 +234,17 @@ def main() -> None:
         Path(a.result).write_text(json.dumps(res))
         return
 
+    order = [f for f in ("gcfamily", "trl") if f in a.frameworks.split(",")]
     try:
         import trl
+
+        trl_version = trl.__version__
     except ImportError:
-        print("TRL is not installed, so there is nothing to compare against: pip install -e \".[trl]\" "
-              "(on a CPU machine: pip install trl \"torch==2.13.0\"), then run this again.")
-        return
+        trl_version = "not installed"
+        if "trl" in order:
+            print("TRL is not installed, so there is nothing to compare against: pip install -e \".[trl]\" "
+                  "(on a CPU machine: pip install trl \"torch==2.13.0\"), then run this again.")
+            return
     import torch
 
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
@@ -244,14 +253,14 @@ def main() -> None:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     work = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     model = model_folder(a.model, work)
-    print(f"TRL {trl.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), model {a.model}, float32 CPU, "
+    print(f"TRL {trl_version}, torch {torch.__version__} ({torch.get_num_threads()} threads), model {a.model}, float32 CPU, "
           f"{a.steps} steps per run (first dropped), {a.reps} runs per framework, load average {os.getloadavg()[0]:.2f}"
-          + (f"; gcfamily NOT matched: {' '.join(a.gcf_set)}" if a.gcf_set else ""), flush=True)
+          + (f"; gcfamily settings changed: {' '.join(a.gcf_set)}" if a.gcf_set else ""), flush=True)
     report = {}
     for name in cases:
-        runs: dict[str, list[dict]] = {"gcfamily": [], "trl": []}
+        runs: dict[str, list[dict]] = {f: [] for f in order}
         for rep in range(a.reps):
-            for fw in ("gcfamily", "trl") if rep % 2 == 0 else ("trl", "gcfamily"):
+            for fw in order if rep % 2 == 0 else order[::-1]:
                 r = launch(fw, name, model, a.steps, work, a.dpo_ref, a.gcf_set)
                 runs[fw].append(r)
                 gen = f", generation {statistics.median(r['generation_s'][1:] or r['generation_s']):.2f} s for " \
@@ -267,17 +276,22 @@ def main() -> None:
                            "lifetime_rss_mb": max(r["lifetime_rss_mb"] for r in rs),
                            "generation_s": statistics.median(gen_s) if gen_s else None,
                            "generation_tokens_per_s": sum(gen_tok) / sum(gen_s) if gen_s else None, "runs": rs}
+        report[name] = summary
+        if len(order) < 2:
+            for fw, v in summary.items():
+                gen = f"; generation {v['generation_tokens_per_s']:.0f} tok/s" if v["generation_tokens_per_s"] else ""
+                print(f"{name}: {fw} {v['step_s']:.2f} s/step, peak {v['peak_rss_mb']:.0f} MB{gen}", flush=True)
+            continue
         g, t = summary["gcfamily"], summary["trl"]
         summary["ratio_step_s"] = g["step_s"] / t["step_s"]
         summary["ratio_peak_rss"] = g["peak_rss_mb"] / t["peak_rss_mb"]
-        report[name] = summary
         gen = ""
         if g["generation_tokens_per_s"]:
             gen = f"; generation {g['generation_tokens_per_s']:.0f} vs {t['generation_tokens_per_s']:.0f} tok/s"
         print(f"{name}: gcfamily {g['step_s']:.2f} s/step, peak {g['peak_rss_mb']:.0f} MB | TRL {t['step_s']:.2f} s/step, peak "
               f"{t['peak_rss_mb']:.0f} MB | ratio {summary['ratio_step_s']:.2f}x time, {summary['ratio_peak_rss']:.2f}x memory{gen}", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "gcf_set": a.gcf_set, "trl": trl.__version__, "torch": torch.__version__, "cases": report}, indent=1))
+        Path(a.json).write_text(json.dumps({"model": a.model, "gcf_set": a.gcf_set, "trl": trl_version, "torch": torch.__version__, "cases": report}, indent=1))
 
 
 if __name__ == "__main__":

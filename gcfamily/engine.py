@@ -26,6 +26,7 @@ says otherwise (a DPO pair is one example split over two rows of weight 1/2).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -33,6 +34,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from transformers.cache_utils import Cache
 
 from gcfamily.errors import GcfError
 
@@ -130,6 +133,7 @@ def token_logprobs(
     loss_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = 256,
+    share_prefix: bool = True,
 ) -> TokenLogprobs:
     """Log-probs of the taken tokens, computed only where loss_mask is on and in chunks.
 
@@ -139,8 +143,8 @@ def token_logprobs(
     FSDP2-wrapped) LogprobModel, whose forward is this same computation.
     """
     if isinstance(getattr(model, "module", model), LogprobModel):
-        return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size))
-    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size))
+        return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix))
+    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix))
 
 
 class LogprobModel(nn.Module):
@@ -156,23 +160,91 @@ class LogprobModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                temperature: float = 1.0, chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size)
+                temperature: float = 1.0, chunk_size: int = 256, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        # FSDP2 frees a layer's gathered weights after its forward and gathers them once per backward,
+        # so a layer called twice in one forward (prefix, then the rest) breaks its backward: one pass there
+        share_prefix = share_prefix and not _fsdp_sharded(self)
+        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix)
         if not bool(loss_mask[:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
             logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
         return logps, entropy
 
 
+MIN_SHARED_PREFIX = 8
+"""Shared prefixes shorter than this many columns are not worth a second backbone call."""
+
+
+def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """(S, first, inverse) when rows repeat their first S columns, else None.
+
+    S is the column before the first loss token of any row, so every hidden state a log-prob
+    needs lies at or after S. Rows are compared on their real tokens (padding ignored);
+    `first` [U] picks one row per distinct prefix and `inverse` [B] maps each row to it.
+    GRPO's G samples of a prompt, and a DPO pair's two rows, share their prompt this way.
+    """
+    cols = loss_mask[:, 1:].any(0).nonzero()
+    if cols.numel() == 0:
+        return None
+    S = int(cols[0])  # hidden state S predicts the first loss token, at column S + 1
+    if S < MIN_SHARED_PREFIX:
+        return None
+    key = torch.cat([input_ids[:, :S] * attention_mask[:, :S], attention_mask[:, :S]], 1)  # [B, 2S]
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # [U, 2S], [B]
+    U = uniq.shape[0]
+    if U == input_ids.shape[0]:
+        return None
+    first = torch.full((U,), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device), reduce="amin")  # [U]
+    return S, first, inverse
+
+
+def cache_keyword(module: nn.Module) -> str:
+    """The key/value-cache keyword a model's forward takes: `cache` in recent transformers, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     share_prefix: bool) -> tuple[torch.Tensor, int]:
+    """Hidden states [B, L - S, H] of columns S.. (S = 0 unless rows share a prefix).
+
+    With a shared prefix, the backbone runs once over each distinct prefix, its key/value
+    cache is gathered to every row, and the rest of each row runs on top of it: the same
+    function as one pass over [B, L] (gradients reach the prefix through the gather, summed
+    over the rows that share it), with the prefix's work done once instead of G times.
+    """
+    pos = position_ids_from_mask(attention_mask)  # [B, L]
+    split = shared_prefix(input_ids, attention_mask, loss_mask) if share_prefix else None
+    if split is not None:
+        S, first, inverse = split
+        pre = backbone(input_ids=input_ids[first, :S], attention_mask=attention_mask[first, :S], position_ids=pos[first, :S], use_cache=True)
+        cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
+        if isinstance(cache, Cache):
+            cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable
+            out = backbone(input_ids=input_ids[:, S:], attention_mask=attention_mask, position_ids=pos[:, S:], use_cache=True, **{cache_keyword(backbone): cache},
+                           cache_position=torch.arange(S, input_ids.shape[1], device=input_ids.device))
+            return out.last_hidden_state, S
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0  # a model without a cache: one full pass
+
+
+def _fsdp_sharded(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
     backbone, head = model_parts(model)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, L, H]
-    # the hidden state at t-1 predicts the token at t
+    hidden, S = _backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix)  # [B, L - S, H]
+    # the hidden state at t-1 predicts the token at t; columns before S predict no loss token
     pred_mask = loss_mask[:, 1:].bool()  # [B, L-1]
-    h = hidden[:, :-1][pred_mask]  # [N, H]
+    h = hidden[:, :-1][pred_mask[:, S:]]  # [N, H]
     targets = input_ids[:, 1:][pred_mask]  # [N]
     logps = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
     entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]

@@ -123,7 +123,7 @@ class Trainer:
         with torch.inference_mode():
             for s in range(0, B, size):
                 mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.device)
-                lp = engine.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, self.cfg.chunk_size)
+                lp = engine.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, self.cfg.chunk_size, self.cfg.share_prefix)
                 out[s : s + size] = lp.logps.float().cpu()
         return out
 
@@ -143,7 +143,7 @@ class Trainer:
             mb = to_device(mb, self.device)
             sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
             with sync:
-                out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size)
+                out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size, cfg.share_prefix)
                 coef = m.coefficient(mb, out.logps.detach())  # [B, L]
                 loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
                 if "force_nan_step" in mb and mb["force_nan_step"]:

@@ -259,9 +259,10 @@ def test_cli_runs(name, tmp_path):
     logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert all(math.isfinite(r["dpo/loss"]) and math.isfinite(r["grad_norm"]) for r in logged)
-    if name != "simpo":  # the reference is the untouched policy: the first margin is exactly 0
+    if name != "simpo":  # the reference is the untouched policy: the first margin is 0 up to float rounding
         beta = json.loads((out / "run_config.json").read_text())["beta"]  # the method's own default (0.1)
-        assert beta == 0.1 and logged[0]["dpo/margin"] == 0.0
+        # (the reference pass groups rows by length, the step by pair, so shared prompts split differently)
+        assert beta == 0.1 and logged[0]["dpo/margin"] == pytest.approx(0.0, abs=1e-6)
         want = (1 / (2 * beta)) ** 2 if name == "ipo" else math.log(2)
         assert logged[0]["dpo/loss"] == pytest.approx(want, rel=1e-5)
 

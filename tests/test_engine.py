@@ -116,3 +116,77 @@ def test_lr_schedule_shapes():
     assert f(0) == pytest.approx(1 / 3) and f(1) == pytest.approx(2 / 3)  # warm-up
     assert f(2) == pytest.approx(1.0) and f(12) == pytest.approx(0.1)  # peak, then down to min_ratio
     assert engine.lr_lambda("linear", 0, 10)(5) == pytest.approx(0.5)
+
+
+def _grouped_batch(n_prompts=3, G=4, P=12, C=6, V=50, seed=0):
+    """n_prompts left-padded prompts (lengths differ), each repeated G times, then right-padded completions."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, V, (n_prompts, P), generator=g)
+    pmask = torch.ones(n_prompts, P, dtype=torch.long)
+    pmask[0, :3] = 0  # a shorter prompt, left-padded
+    prompt = (prompt * pmask).repeat_interleave(G, 0)
+    pmask = pmask.repeat_interleave(G, 0)
+    comp = torch.randint(3, V, (n_prompts * G, C), generator=g)
+    cmask = (torch.arange(C)[None] < torch.randint(1, C + 1, (n_prompts * G,), generator=g)[:, None]).long()
+    return {"input_ids": torch.cat([prompt, comp * cmask], 1), "attention_mask": torch.cat([pmask, cmask], 1),
+            "loss_mask": torch.cat([torch.zeros_like(pmask), cmask], 1)}
+
+
+def test_shared_prefix_is_found_in_groups_only():
+    batch = _grouped_batch()
+    S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert S == 11 and len(first) == 3
+    groups = inverse.view(3, 4)
+    assert (groups == groups[:, :1]).all() and len(set(groups[:, 0].tolist())) == 3  # one prefix per group, groups apart
+    assert (first[inverse] // 4 == torch.arange(12) // 4).all()  # each row's representative is from its own group
+    distinct = _batch()  # every row its own prompt: no sharing
+    assert engine.shared_prefix(distinct["input_ids"], distinct["attention_mask"], distinct["loss_mask"]) is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_shared_prefix_logprobs_and_gradient_match_naive(temperature):
+    """Prompts run once per group through a gathered KV cache: same log-probs, same gradient as the full pass."""
+    model = tiny_model(50, seed=8)
+    batch = _grouped_batch(seed=9)
+    w = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(10))
+    grads, logps = {}, {}
+    for share in (True, False):
+        model.zero_grad()
+        out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], temperature, 5, share)
+        (out.logps * w).sum().backward()
+        grads[share] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        logps[share] = out.logps.detach()
+    model.zero_grad()
+    (_naive_logps(model, batch, temperature) * w).sum().backward()
+    assert torch.allclose(logps[True], _naive_logps(model, batch, temperature).detach(), atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[True][n], p.grad, atol=1e-5, rtol=1e-4), n
+        assert torch.allclose(grads[True][n], grads[False][n], atol=1e-5, rtol=1e-4), n
+
+
+def test_shared_prefix_runs_each_prompt_once():
+    """The backbone sees U*S + B*(L-S) tokens with sharing on, B*L with it off."""
+    model = tiny_model(50, seed=8)
+    batch = _grouped_batch(n_prompts=3, G=4, P=12, C=6)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].numel()))
+    for share in (True, False):
+        engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 256, share)
+    hook.remove()
+    B, L, S = 12, 18, 11
+    assert seen == [3 * S, B * (L - S), B * L]
+
+
+def test_shared_prefix_of_right_padded_pairs():
+    """DPO's layout: a pair's two rows share the prompt at the start; rows of other prompts stay apart."""
+    model = tiny_model(50, seed=11)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 50, (n,), generator=g).tolist() for n in (10, 13)]
+    rows = [(p, torch.randint(3, 50, (k,), generator=g).tolist()) for p in prompts for k in (3, 5)]
+    from gcfamily.data import collate
+
+    batch = collate(rows, 0)
+    S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert S == 9 and inverse[0] == inverse[1] and inverse[2] == inverse[3] and inverse[0] != inverse[2]
+    a = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 4, True).logps
+    assert torch.allclose(a, _naive_logps(model, batch), atol=1e-5)
