@@ -65,7 +65,7 @@ class Config:
     chunk_size: int = 256
     """Rows of the output projection computed at a time in the log-prob path."""
     share_prefix: bool = True
-    """Run a prompt that several rows of a micro-batch share (GRPO's group, a DPO pair) through the model once; same log-probs and gradient (not under FSDP2)."""
+    """Run a prompt that several rows of a micro-batch share (GRPO's group, a DPO pair) through the model once; same log-probs and gradient."""
     max_length: int = 512
     """Longest prompt + completion in tokens for offline data."""
     long_prompts: str = "skip"

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from gcfamily.engine import cache_keyword
 from gcfamily.errors import GcfError
 
 _STOP_CHECK_EVERY = 4  # decode for stop strings every few tokens; a final exact pass fixes the lengths
@@ -108,7 +107,8 @@ def _make_cache(model, capacity: int) -> Cache:
 
 def _forward_kwargs(model) -> tuple[str, bool]:
     """The cache keyword the model takes (`cache` in recent transformers) and whether it takes logits_to_keep."""
-    return cache_keyword(model), "logits_to_keep" in inspect.signature(model.forward).parameters
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
 def _left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

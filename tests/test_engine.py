@@ -164,17 +164,45 @@ def test_shared_prefix_logprobs_and_gradient_match_naive(temperature):
         assert torch.allclose(grads[True][n], grads[False][n], atol=1e-5, rtol=1e-4), n
 
 
-def test_shared_prefix_runs_each_prompt_once():
-    """The backbone sees U*S + B*(L-S) tokens with sharing on, B*L with it off."""
+def test_packing_runs_each_prompt_once_and_no_padding():
+    """One backbone call over U*S prefix tokens plus every row's real suffix tokens, not B*L padded columns."""
     model = tiny_model(50, seed=8)
     batch = _grouped_batch(n_prompts=3, G=4, P=12, C=6)
     seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].numel()))
-    for share in (True, False):
-        engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 256, share)
+    hook = model.get_input_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
+    engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 256, True)
     hook.remove()
-    B, L, S = 12, 18, 11
-    assert seen == [3 * S, B * (L - S), B * L]
+    S = 11
+    per_group = [S + int(batch["attention_mask"][g * 4 : g * 4 + 4, S:].sum()) for g in range(3)]
+    assert seen == [torch.Size([3, max(per_group)])]
+
+
+def test_packing_without_a_shared_prefix_matches_naive():
+    """Right-padded rows of very different lengths (SFT's layout) are packed end to end: same log-probs and gradient."""
+    from gcfamily.data import collate
+
+    model = tiny_model(50, seed=13)
+    g = torch.Generator().manual_seed(14)
+    rows = [(torch.randint(3, 50, (p,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist()) for p, c in [(3, 2), (4, 40), (2, 3), (5, 38)]]
+    batch = collate(rows, 0)
+    assert engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]) is None
+    packing = engine.pack_rows(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert packing.input_ids.shape == (3, 44)  # rows of the longest (44): [44], [43], [5 + 5]
+    w = torch.randn(batch["input_ids"].shape, generator=g)
+    out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
+    (out.logps * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = _naive_logps(model, batch)
+    (want * w).sum().backward()
+    assert torch.allclose(out.logps, want.detach(), atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_packing_is_skipped_when_rows_fill_the_batch():
+    batch = {"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": torch.ones(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5, dtype=torch.long)}
+    assert engine.pack_rows(**batch) is None
 
 
 def test_shared_prefix_of_right_padded_pairs():
