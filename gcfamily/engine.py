@@ -164,31 +164,39 @@ class LogprobModel(nn.Module):
         return logps, entropy
 
 
-MIN_SHARED_PREFIX = 1
-"""Shortest shared prefix (in columns) worth packing once per group."""
+PACK_LENGTH = 512
+"""Packed rows grow to this many tokens (or to the longest row, if longer): attention over a packed
+row costs its length squared, so a micro-batch is not packed into one very long row."""
 
 
 def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """(S, first, inverse) when rows repeat their first S columns, else None.
 
-    S is the column before the first loss token of any row, so every hidden state a log-prob
-    needs lies at or after S. Rows are compared on their real tokens (padding ignored);
-    `first` [U] picks one row per distinct prefix and `inverse` [B] maps each row to it.
-    GRPO's G samples of a prompt, and a DPO pair's two rows, share their prompt this way.
+    Rows are compared on their real tokens (padding ignored); `first` [U] picks one row per
+    distinct prefix and `inverse` [B] maps each row to it. Of two candidates, the one that saves
+    more tokens wins: the whole prompt, up to the column before the first loss token of any row
+    (GRPO's G samples of a prompt, a DPO pair), or the longest prefix that every row has in
+    common, shared by all (a system prompt in front of different questions). S never passes the
+    column before the first loss token, so every hidden state a log-prob needs lies at or after S.
     """
+    B = input_ids.shape[0]
     cols = loss_mask[:, 1:].any(0).nonzero()
-    if cols.numel() == 0:
+    if cols.numel() == 0 or B < 2:
         return None
     S = int(cols[0])  # hidden state S predicts the first loss token, at column S + 1
-    if S < MIN_SHARED_PREFIX:
+    if S < 1:
         return None
-    key = torch.cat([input_ids[:, :S] * attention_mask[:, :S], attention_mask[:, :S]], 1)  # [B, 2S]
-    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # [U, 2S], [B]
-    U = uniq.shape[0]
-    if U == input_ids.shape[0]:
+    key = torch.stack([input_ids[:, :S] * attention_mask[:, :S], attention_mask[:, :S]], -1)  # [B, S, 2]
+    uniq, inverse = torch.unique(key.flatten(1), dim=0, return_inverse=True)  # [U, 2S], [B]
+    differs = (key != key[:1]).any(-1).any(0).nonzero()  # columns where some row differs from row 0
+    common = S if differs.numel() == 0 else int(differs[0])
+    if (B - 1) * common > (B - uniq.shape[0]) * S:  # one prefix for every row saves more
+        S, inverse = common, torch.zeros(B, dtype=torch.long, device=input_ids.device)
+    U = int(inverse.max()) + 1
+    if U == B or S < 1:
         return None
-    first = torch.full((U,), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device), reduce="amin")  # [U]
+    first = torch.full((U,), B, dtype=torch.long, device=input_ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")  # [U]
     return S, first, inverse
 
 
@@ -209,41 +217,42 @@ class Packing:
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, share_prefix: bool = True) -> Packing | None:
-    """Pack a micro-batch: a prefix that rows share (GRPO's group, a DPO pair) once per packed row,
-    then each row's own tokens; rows without a shared prefix are packed end to end, first-fit into
-    rows as long as the longest. None when packing saves nothing (every row as long as the longest)."""
+    """Pack a micro-batch: a prefix that rows share (`shared_prefix`) once per packed row, then each
+    row's own tokens end to end, first fit into rows of up to PACK_LENGTH tokens (a group's rows
+    only with that group's prefix). None when there is nothing to share and no two rows fit in one."""
     B, L = input_ids.shape
     dev = input_ids.device
     real = attention_mask.bool()  # [B, L]
     cols = torch.arange(L, device=dev)
     pos = position_ids_from_mask(attention_mask)  # [B, L]
     split = shared_prefix(input_ids, attention_mask, loss_mask) if share_prefix else None
-    # spans [lo, hi) of the original columns each row contributes; a segment id per row
+    # spans [lo, hi) of the original columns each row contributes, after its group's prefix [0, S)
     hi = ((real * (cols + 1)).amax(1)).clamp(min=1).tolist()  # one past the last real token
     if split is not None:
         S, first, inverse = split
         lo = [S] * B
-        groups = [[] for _ in range(len(first))]
+        members: list[list[int]] = [[] for _ in range(len(first))]
         for b, g in enumerate(inverse.tolist()):
-            groups[g].append(b)
-        heads = first.tolist()  # the row whose prefix a packed row starts with
+            members[g].append(b)
+        prefix_rows: list[int | None] = first.tolist()  # the row whose prefix its group's packed rows start with
     else:
         S = 0
-        lo = ((real * (L - cols)).amax(1)).tolist()  # L - first real column
-        lo = [L - x if x > 0 else 0 for x in lo]
-        cap = max(h - l for h, l in zip(hi, lo))
-        groups, room = [], []
-        for b in sorted(range(B), key=lambda b: lo[b] - hi[b]):  # longest first
+        lo = [L - x if x > 0 else 0 for x in (real * (L - cols)).amax(1).tolist()]  # the first real column
+        members, prefix_rows = [list(range(B))], [None]
+    cap = max(PACK_LENGTH, S + max(h - l for h, l in zip(hi, lo)))
+    groups, heads, room = [], [], []  # packed rows: their rows, their prefix row, room left
+    for g, head in zip(members, prefix_rows):
+        mine = []  # packed rows of this group (they all start with its prefix)
+        for b in sorted(g, key=lambda b: lo[b] - hi[b]):  # longest first, first fit
             n = hi[b] - lo[b]
-            k = next((i for i, r in enumerate(room) if r >= n), None)
+            k = next((k for k in mine if room[k] >= n), None)
             if k is None:
-                groups.append([b]); room.append(cap - n)
-            else:
-                groups[k].append(b); room[k] -= n
-        heads = [None] * len(groups)
-        if len(groups) == B and all(h - l == cap for h, l in zip(hi, lo)):
-            return None
-    lengths = [(S if split is not None else 0) + sum(hi[b] - lo[b] for b in g) for g in groups]
+                k = len(groups)
+                groups.append([]); heads.append(head); room.append(cap - S); mine.append(k)
+            groups[k].append(b); room[k] -= n
+    if split is None and (len(groups) == B or all(h - l == L for h, l in zip(hi, lo))):
+        return None  # nothing to share, and no padding to drop: the plain pass is as cheap
+    lengths = [S + sum(hi[b] - lo[b] for b in g) for g in groups]
     R, T = len(groups), max(lengths)
     ids = torch.zeros(R, T, dtype=input_ids.dtype, device=dev)
     ppos = torch.zeros(R, T, dtype=pos.dtype, device=dev)
@@ -271,7 +280,7 @@ PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a custom [R, 1, T, T] mask; others run the plain padded pass."""
 
 
-def _backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                      share_prefix: bool, pack: bool = True) -> tuple[torch.Tensor, int]:
     """Hidden states [B, L - S, H] of the original columns S.. (S > 0 only past a shared prefix).
 
@@ -300,7 +309,7 @@ def _token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
     backbone, head = model_parts(model)
-    hidden, S = _backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix, pack)  # [B, L - S, H]
+    hidden, S = backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix, pack)  # [B, L - S, H]
     # the hidden state at t-1 predicts the token at t; columns before S predict no loss token
     pred_mask = loss_mask[:, 1:].bool()  # [B, L-1]
     h = hidden[:, :-1][pred_mask[:, S:]]  # [N, H]

@@ -187,7 +187,7 @@ def test_packing_without_a_shared_prefix_matches_naive():
     batch = collate(rows, 0)
     assert engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]) is None
     packing = engine.pack_rows(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-    assert packing.input_ids.shape == (3, 44)  # rows of the longest (44): [44], [43], [5 + 5]
+    assert packing.input_ids.shape == (1, 5 + 44 + 5 + 43)  # end to end in one row, no padding
     w = torch.randn(batch["input_ids"].shape, generator=g)
     out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
     (out.logps * w).sum().backward()
@@ -203,6 +203,29 @@ def test_packing_without_a_shared_prefix_matches_naive():
 def test_packing_is_skipped_when_rows_fill_the_batch():
     batch = {"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": torch.ones(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5, dtype=torch.long)}
     assert engine.pack_rows(**batch) is None
+
+
+def test_common_prefix_of_different_prompts_is_shared():
+    """Rows that start with the same tokens (a system prompt) before different questions share those."""
+    from gcfamily.data import collate
+
+    model = tiny_model(50, seed=15)
+    g = torch.Generator().manual_seed(16)
+    system = torch.randint(3, 50, (9,), generator=g).tolist()
+    rows = [(system + torch.randint(3, 50, (q,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist()) for q, c in [(4, 3), (6, 2), (5, 7)]]
+    batch = collate(rows, 0)
+    S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert S == 9 and inverse.tolist() == [0, 0, 0] and first.tolist() == [0]
+    w = torch.randn(batch["input_ids"].shape, generator=g)
+    out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
+    (out.logps * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = _naive_logps(model, batch)
+    (want * w).sum().backward()
+    assert torch.allclose(out.logps, want.detach(), atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
 
 
 def test_shared_prefix_of_right_padded_pairs():

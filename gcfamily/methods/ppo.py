@@ -36,7 +36,7 @@ from torch import nn
 
 from gcfamily.config import Config
 from gcfamily.data import to_device
-from gcfamily.engine import build_optimizer, effective_mask, grads_finite, position_ids_from_mask
+from gcfamily.engine import backbone_hidden, build_optimizer, effective_mask, grads_finite
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import ClippedOnPolicy
@@ -57,12 +57,16 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)  # V = 0 at the start: the first baseline is no baseline
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """values[b, t] = V of the state that emits token t, read at position t-1 (0 at t = 0)."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, L, H]
-        v = self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1)  # [B, L-1]
-        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)  # [B, L]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """values[b, t] = V of the state that emits token t, read at position t-1 (0 at t = 0).
+
+        With `loss_mask` the backbone runs packed like the policy's (a shared prompt once, no
+        padding), and values before the first loss column of the batch are 0 (nothing reads them).
+        """
+        lm = loss_mask if loss_mask is not None else torch.ones_like(attention_mask)
+        hidden, S = backbone_hidden(self.backbone, input_ids, attention_mask, lm, share_prefix=loss_mask is not None)  # [B, L - S, H]
+        v = self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1)  # [B, L - S - 1]
+        return torch.cat([v.new_zeros(v.shape[0], S + 1), v], dim=1)  # [B, L]
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +209,8 @@ class PPO(ClippedOnPolicy):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         size = self.cfg.micro_batch_size
         for s in range(0, out.shape[0], size):
-            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask")}, self.trainer.device)
-            out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"]).float().cpu()
+            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.trainer.device)
+            out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).float().cpu()
         return out
 
     def token_rewards(self, batch: Batch, old_logps: torch.Tensor | None) -> torch.Tensor:
@@ -268,7 +272,7 @@ class PPO(ClippedOnPolicy):
     def critic_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """vf_coef * sum over valid tokens of the clipped value loss (the step's token count divides it later)."""
         mask = effective_mask(batch)  # [b, L]
-        values = self.critic(batch["input_ids"], batch["attention_mask"])  # [b, L] with grad
+        values = self.critic(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])  # [b, L] with grad
         per_token, clipped = value_loss_terms(values, batch["values"].float(), batch["returns"].float(), self.cfg.value_clip)
         k = max(float(mask.sum()), 1.0)
         stats = {"ppo/value_loss": float((per_token.detach() * mask).sum()) / k, "ppo/vf_clip_frac": float((clipped * mask).sum()) / k}
