@@ -42,8 +42,8 @@ from gcfamily.engine import LogprobModel
 from gcfamily.errors import GcfError
 
 ERROR_DIR_ENV = "GCF_ERROR_DIR"  # set by `launch`: each failing rank leaves its one-line message there
-SUM_METRICS = ("loss", "tokens", "tokens/generated", "budget/tokens", "train_tokens_per_s", "reward/failed")  # each rank holds a share: add them
-MAX_PREFIXES = ("time/", "peak_memory_mb", "budget/elapsed_s")  # the slowest / largest rank is the one that matters
+SUM_METRICS = ("loss", "tokens", "tokens/generated", "train_tokens_per_s", "reward/failed")  # each rank holds a share: add them
+MAX_PREFIXES = ("time/", "peak_memory_mb")  # the slowest / largest rank is the one that matters
 
 
 # ----------------------------------------------------------------------------------

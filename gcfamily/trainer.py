@@ -235,15 +235,16 @@ class Trainer:
                     if k.startswith("stat/") and isinstance(v, (int, float)):
                         metrics[k[5:]] = float(v)
                 # generated tokens: completion/length_mean (on-policy data) times the rows sampled
-                generated = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
-                self.elapsed_s += dt
-                self.tokens_seen += generated + metrics.get("tokens", 0.0)
-                metrics.update({"tokens/generated": generated, "budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen})
+                metrics["tokens/generated"] = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
                 if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
                     metrics = self.dist.reduce_metrics(metrics)
                     self._stop_signal = self.dist.agree_stop(self._stop_signal)
+                # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
+                self.elapsed_s += metrics["time/step_s"]
+                self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
+                metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen})
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent():
                     self.logger.log(self.step, metrics)
                 if bar is not None:

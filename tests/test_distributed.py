@@ -124,6 +124,23 @@ def test_cli_grpo_fsdp2_writes_a_plain_transformers_model(tmp_path):
     assert [r["step"] for r in _metrics(out)] == [1, 2]  # one log for the group, from rank 0
 
 
+def test_token_budget_counts_every_rank_and_stops_all_at_one_step(tmp_path):
+    """max_tokens counts the tokens of all ranks (the logged budget/tokens is their sum), and every
+    rank stops after the same step: a rank that stopped alone would leave the others waiting."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--strategy", "ddp",
+           "--max-steps", "50", "--output-dir", str(out), "--set", "progress=false", "--set", "max_tokens=60", "--set", "batch_size=4"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r for r in _metrics(out) if "budget/tokens" in r]
+    total = 0.0
+    for r in rows:
+        total += r["tokens"] + r["tokens/generated"]
+        assert r["budget/tokens"] == pytest.approx(total)
+    assert rows[-1]["budget/tokens"] >= 60 > rows[-2]["budget/tokens"]  # stopped at the first step past the budget
+    assert f"done: {rows[-1]['step']} steps on 2 processes (ddp)" in res.stdout
+
+
 def test_cli_user_error_is_one_line_before_any_process_starts(gcf, tmp_path):
     code, out, err = gcf("run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--output-dir", str(tmp_path), "--set", "batch_size=3")
     assert code == 2 and "batch_size=3" in err and "multiple of 2" in err and "Traceback" not in err
