@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -206,6 +207,7 @@ def launch(framework: str, case_name: str, model: str, steps: int, work: Path, d
         raise SystemExit(f"{framework} {case_name} failed (log {log}):\n" + "\n".join(tail))
     res = json.loads(res_path.read_text())
     res["lifetime_rss_mb"] = usage.ru_maxrss / 1024
+    shutil.rmtree(out, ignore_errors=True)  # a run's saved model and checkpoint (GBs); the log stays
     return res
 
 

@@ -20,6 +20,10 @@ Besides what the trainer logs, each child records two things the trainer does no
   from the final policy at temperature 1, and the mean k3 estimator (rho - log rho - 1,
   rho = pi_ref / pi) over its tokens against the untouched initial model.
 
+A method that already finished in the output folder with exactly the same settings is kept, not
+run again (so after a failure, the same command runs only what is missing); --fresh runs all.
+A finished child deletes its resumable checkpoints and keeps its final model.
+
 Outputs (written by gcfamily/bench_report.py): bench.md (the table), bench.json (every figure,
 per-step rows included), reward.png and accuracy.png (against step and against training wall
 time, one line per method), gc.png.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -246,6 +251,8 @@ def child(spec_path: str) -> None:
     extra = {"gc": recorder.summary(), "kl_ref": kl, "kl_s": time.perf_counter() - t1, "run_s": run_s, "steps": trainer.step,
              "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())}
     (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
+    # the finished run keeps its final model; its resumable checkpoints (weights and optimizer state) go
+    shutil.rmtree(Path(cfg.output_dir) / "checkpoints", ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -265,6 +272,16 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
     return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "max_rss_mb": usage.ru_maxrss / 1024}
 
 
+def finished_run(folder: Path, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The launch record of a run in `folder` that finished with exactly this spec, else None."""
+    try:
+        same = json.loads((folder / "bench_spec.json").read_text()) == spec
+        proc = json.loads((folder / "bench_proc.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return proc if same and proc.get("returncode") == 0 and (folder / "bench_child.json").is_file() else None
+
+
 def _load() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -273,7 +290,7 @@ def _load() -> str:
 
 
 def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optional[str], quick: bool,
-              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print) -> dict[str, Any]:
+              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print, fresh: bool = False) -> dict[str, Any]:
     """Run every method in its own subprocess, then write bench.md, bench.json and the plots into out."""
     suite = SUITES["quick" if quick else "default"]
     model = model or suite["model"]
@@ -290,11 +307,16 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     header = {"model": model, "task": task, "budget": budget, "load_start": _load(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({threads or 'all'} torch threads), {platform.system()}, python {platform.python_version()}"}
-    t0 = time.perf_counter()
-    results = {}
+    results, kept = {}, []
     for name, plan in plans.items():
-        echo(f"[bench] {name}: running ({out / name}/bench.log)")
-        proc = launch(plan, out / name, env)
+        proc = None if fresh else finished_run(out / name, plan)
+        if proc is not None:
+            kept.append(name)
+            echo(f"[bench] {name}: kept the finished run with the same settings in {out / name} (--fresh runs it again)")
+        else:
+            echo(f"[bench] {name}: running ({out / name}/bench.log)")
+            proc = launch(plan, out / name, env)
+            (out / name / "bench_proc.json").write_text(json.dumps(proc))
         results[name] = summarise(out / name, proc)
         r = results[name]
         if proc["returncode"] != 0:
@@ -302,7 +324,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         else:
             echo(f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
                  f"{fmt(r.get('accuracy_after'), '.3f')}, {fmt(r.get('step_s_median'), '.3g')} s/step, peak {proc['max_rss_mb']:.0f} MB")
-    header.update(load_end=_load(), total_s=time.perf_counter() - t0)
+    header.update(load_end=_load(), total_s=sum(r.get("wall_s", 0.0) for r in results.values()), kept=kept)
     (out / "bench.md").write_text(table(results, header))
     (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
                                                 "results": results}, indent=1, default=str))
@@ -320,14 +342,15 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.option("--out", default=None, help="Output folder; default runs/bench (runs/bench-quick with --quick).")
 @click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")
 @click.option("--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default.")
+@click.option("--fresh", is_flag=True, help="Run every method again, even one that already finished in --out with the same settings.")
 def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optional[str], quick: bool, out: Optional[str],
-          sets: tuple[str, ...], threads: Optional[int]) -> None:
+          sets: tuple[str, ...], threads: Optional[int], fresh: bool) -> None:
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
     folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
-    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo)
+    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo, fresh=fresh)
     failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
     if failed:
         raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

@@ -74,7 +74,8 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
     """bench.md: the settings line and one row per method."""
     lines = [f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}", "",
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; "
-             f"{header['date']}; total {header['total_s']:.0f} s.", "",
+             f"{header['date']}; total {header['total_s']:.0f} s of runs"
+             + (f" ({', '.join(header['kept'])} kept from an earlier invocation with the same settings)" if header.get("kept") else "") + ".", "",
              "| method | steps | held-out acc before | after | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():

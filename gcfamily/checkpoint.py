@@ -76,8 +76,13 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(weights, str(tmp / "model.safetensors"))
-    torch.save(state, tmp / "state.pt")
+    try:
+        save_file(weights, str(tmp / "model.safetensors"))
+        torch.save(state, tmp / "state.pt")
+    except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GcfError(f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); "
+                       "free some disk space (or lower keep_last) and continue with --resume: the last complete checkpoint is intact.") from e
     _test_pause()
     (tmp / MARKER).write_text(str(step))
     _fsync_dir(tmp)

@@ -221,6 +221,9 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     row's own tokens end to end, first fit into rows of up to PACK_LENGTH tokens (a group's rows
     only with that group's prefix). None when there is nothing to share and no two rows fit in one."""
     B, L = input_ids.shape
+    device = input_ids.device
+    # the layout is worked out on the CPU (a few small ops per row) and moved to the device once
+    input_ids, attention_mask, loss_mask = input_ids.cpu(), attention_mask.cpu(), loss_mask.cpu()
     dev = input_ids.device
     real = attention_mask.bool()  # [B, L]
     cols = torch.arange(L, device=dev)
@@ -273,7 +276,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     i, j = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
     same = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == -1)  # [R, T(q), T(k)]
     allowed = (same & preal[:, None, :] & (j <= i)) | (i == j)  # every query sees itself: no all-masked row
-    return Packing(ids, ppos, allowed[:, None], source, S)
+    return Packing(ids.to(device), ppos.to(device), allowed[:, None].to(device), source.to(device), S)
 
 
 PACKED_ATTENTION = ("sdpa", "eager")

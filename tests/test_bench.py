@@ -34,6 +34,13 @@ def test_quick_bench_writes_table_plots_and_json(gcf, tmp_path):
     assert res["sft"]["gc"]["quantiles"]["p50"] == 1.0  # SFT: GC = 1 on every loss token
     assert res["sft"]["generated_tokens"] == 0 and res["grpo"]["generated_tokens"] > 0
     assert res["grpo"]["reward_final"] is not None and res["sft"]["reward_final"] is None
+    for name in METHODS:  # a finished child keeps its final model, not its resumable checkpoints
+        assert not (out / name / "checkpoints").exists() and (out / name / "config.json").is_file(), name
+    # the same command again keeps every finished run instead of training it again
+    code, stdout, stderr = gcf("bench", "--quick", "--methods", ",".join(METHODS), "--budget", "steps:2", "--out", str(out),
+                               "--set", "eval_samples=8")
+    assert code == 0 and stdout.count("kept the finished run") == len(METHODS), stdout + stderr
+    assert json.loads((out / "bench.json").read_text())["results"]["grpo"]["steps"] == 2
 
 
 def test_token_and_time_budgets_stop_the_trainer(gcf, tmp_path):

@@ -172,3 +172,21 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert list((out / "checkpoints").glob("step-*/COMPLETE"))
     r = _gcf_proc(out, 1, resume=True)  # already past step 1: resumes and finishes at once
     assert r.wait(timeout=300) == 0, r.stderr.read()
+
+
+def test_full_disk_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """A write that fails (no space left) ends in one sentence; the last complete checkpoint stays and no partial one is left."""
+    from gcfamily import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 1, model, {"step": 1})
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(GcfError, match="Could not write the checkpoint of step 2.*No space left on device.*--resume"):
+        checkpoint.save(root, 2, model, {"step": 2})
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step-1"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
