@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gcfamily.errors import GcfError
+from gcfamily.packing import Packing, backbone_hidden, pack_rows, position_ids_from_mask, shared_prefix  # noqa: F401  (the engine's API)
 
 NORM_MODES = ("token", "sequence", "sum", "constant")
 
@@ -102,11 +103,6 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits / tau if tau != 1.0 else logits
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, so a left-padded row sees the positions an unpadded one would."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def model_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """Split a causal LM into its backbone (returns hidden states) and its output layer."""
     try:
@@ -162,148 +158,6 @@ class LogprobModel(nn.Module):
         if not bool(loss_mask[:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
             logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
         return logps, entropy
-
-
-PACK_LENGTH = 512
-"""Packed rows grow to this many tokens (or to the longest row, if longer): attention over a packed
-row costs its length squared, so a micro-batch is not packed into one very long row."""
-
-
-def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """(S, first, inverse) when rows repeat their first S columns, else None.
-
-    Rows are compared on their real tokens (padding ignored); `first` [U] picks one row per
-    distinct prefix and `inverse` [B] maps each row to it. Of two candidates, the one that saves
-    more tokens wins: the whole prompt, up to the column before the first loss token of any row
-    (GRPO's G samples of a prompt, a DPO pair), or the longest prefix that every row has in
-    common, shared by all (a system prompt in front of different questions). S never passes the
-    column before the first loss token, so every hidden state a log-prob needs lies at or after S.
-    """
-    B = input_ids.shape[0]
-    cols = loss_mask[:, 1:].any(0).nonzero()
-    if cols.numel() == 0 or B < 2:
-        return None
-    S = int(cols[0])  # hidden state S predicts the first loss token, at column S + 1
-    if S < 1:
-        return None
-    key = torch.stack([input_ids[:, :S] * attention_mask[:, :S], attention_mask[:, :S]], -1)  # [B, S, 2]
-    uniq, inverse = torch.unique(key.flatten(1), dim=0, return_inverse=True)  # [U, 2S], [B]
-    differs = (key != key[:1]).any(-1).any(0).nonzero()  # columns where some row differs from row 0
-    common = S if differs.numel() == 0 else int(differs[0])
-    if (B - 1) * common > (B - uniq.shape[0]) * S:  # one prefix for every row saves more
-        S, inverse = common, torch.zeros(B, dtype=torch.long, device=input_ids.device)
-    U = int(inverse.max()) + 1
-    if U == B or S < 1:
-        return None
-    first = torch.full((U,), B, dtype=torch.long, device=input_ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")  # [U]
-    return S, first, inverse
-
-
-@dataclass
-class Packing:
-    """A micro-batch laid out without padding: shared prefixes once, rows end to end, one backbone call.
-
-    Packed row r holds segments one after another; a token attends to the real tokens before it in
-    its own segment and to its row's shared prefix (a block-causal mask), at its original position
-    id, so every hidden state is the one the unpacked row would have.
-    """
-
-    input_ids: torch.Tensor  # [R, T]
-    position_ids: torch.Tensor  # [R, T]
-    allowed: torch.Tensor  # [R, 1, T, T] bool: query i may attend to key j
-    source: torch.Tensor  # [B, L - S] long: flat index into [R * T] of each original column S..
-    S: int  # original columns before S are not needed (they are only a shared prefix)
-
-
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, share_prefix: bool = True) -> Packing | None:
-    """Pack a micro-batch: a prefix that rows share (`shared_prefix`) once per packed row, then each
-    row's own tokens end to end, first fit into rows of up to PACK_LENGTH tokens (a group's rows
-    only with that group's prefix). None when there is nothing to share and no two rows fit in one."""
-    B, L = input_ids.shape
-    device = input_ids.device
-    # the layout is worked out on the CPU (a few small ops per row) and moved to the device once
-    input_ids, attention_mask, loss_mask = input_ids.cpu(), attention_mask.cpu(), loss_mask.cpu()
-    dev = input_ids.device
-    real = attention_mask.bool()  # [B, L]
-    cols = torch.arange(L, device=dev)
-    pos = position_ids_from_mask(attention_mask)  # [B, L]
-    split = shared_prefix(input_ids, attention_mask, loss_mask) if share_prefix else None
-    # spans [lo, hi) of the original columns each row contributes, after its group's prefix [0, S)
-    hi = ((real * (cols + 1)).amax(1)).clamp(min=1).tolist()  # one past the last real token
-    if split is not None:
-        S, first, inverse = split
-        lo = [S] * B
-        members: list[list[int]] = [[] for _ in range(len(first))]
-        for b, g in enumerate(inverse.tolist()):
-            members[g].append(b)
-        prefix_rows: list[int | None] = first.tolist()  # the row whose prefix its group's packed rows start with
-    else:
-        S = 0
-        lo = [L - x if x > 0 else 0 for x in (real * (L - cols)).amax(1).tolist()]  # the first real column
-        members, prefix_rows = [list(range(B))], [None]
-    cap = max(PACK_LENGTH, S + max(h - l for h, l in zip(hi, lo)))
-    groups, heads, room = [], [], []  # packed rows: their rows, their prefix row, room left
-    for g, head in zip(members, prefix_rows):
-        mine = []  # packed rows of this group (they all start with its prefix)
-        for b in sorted(g, key=lambda b: lo[b] - hi[b]):  # longest first, first fit
-            n = hi[b] - lo[b]
-            k = next((k for k in mine if room[k] >= n), None)
-            if k is None:
-                k = len(groups)
-                groups.append([]); heads.append(head); room.append(cap - S); mine.append(k)
-            groups[k].append(b); room[k] -= n
-    if split is None and (len(groups) == B or all(h - l == L for h, l in zip(hi, lo))):
-        return None  # nothing to share, and no padding to drop: the plain pass is as cheap
-    lengths = [S + sum(hi[b] - lo[b] for b in g) for g in groups]
-    R, T = len(groups), max(lengths)
-    ids = torch.zeros(R, T, dtype=input_ids.dtype, device=dev)
-    ppos = torch.zeros(R, T, dtype=pos.dtype, device=dev)
-    seg = torch.full((R, T), -2, dtype=torch.long, device=dev)  # -2 padding, -1 shared prefix, else the row
-    preal = torch.zeros(R, T, dtype=torch.bool, device=dev)
-    source = torch.zeros(B, L - S, dtype=torch.long, device=dev)
-    for r, (g, head) in enumerate(zip(groups, heads)):
-        at = 0
-        if head is not None:
-            ids[r, :S], ppos[r, :S], preal[r, :S], seg[r, :S] = input_ids[head, :S], pos[head, :S], real[head, :S], -1
-            at = S
-        for b in g:
-            n = hi[b] - lo[b]
-            ids[r, at : at + n], ppos[r, at : at + n], preal[r, at : at + n] = input_ids[b, lo[b] : hi[b]], pos[b, lo[b] : hi[b]], real[b, lo[b] : hi[b]]
-            seg[r, at : at + n] = b
-            source[b, lo[b] - S : hi[b] - S] = r * T + at + torch.arange(n, device=dev)
-            at += n
-    i, j = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
-    same = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == -1)  # [R, T(q), T(k)]
-    allowed = (same & preal[:, None, :] & (j <= i)) | (i == j)  # every query sees itself: no all-masked row
-    return Packing(ids.to(device), ppos.to(device), allowed[:, None].to(device), source.to(device), S)
-
-
-PACKED_ATTENTION = ("sdpa", "eager")
-"""Attention implementations that take a custom [R, 1, T, T] mask; others run the plain padded pass."""
-
-
-def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     share_prefix: bool, pack: bool = True) -> tuple[torch.Tensor, int]:
-    """Hidden states [B, L - S, H] of the original columns S.. (S > 0 only past a shared prefix).
-
-    Packed (`pack_rows`), the backbone runs once over every real token of the micro-batch and over
-    a prompt that G rows share once, instead of over B x L padded columns: the same function, so
-    the same log-probs and gradients (a shared prefix's gradient is summed over its rows by the
-    gather). `pack=False`, or an attention without custom masks, is one plain padded pass.
-    """
-    impl = getattr(getattr(backbone, "config", None), "_attn_implementation", None)
-    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if pack and impl in PACKED_ATTENTION else None
-    if packing is None:
-        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0
-    mask = packing.allowed
-    if impl == "eager":  # additive float mask
-        dtype = next(backbone.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    out = backbone(input_ids=packing.input_ids, attention_mask=mask, position_ids=packing.position_ids, use_cache=False)
-    h = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [R, T, H]
-    return h.reshape(-1, h.shape[-1])[packing.source], packing.S  # [B, L - S, H]
 
 
 def _token_logprobs(

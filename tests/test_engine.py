@@ -177,6 +177,20 @@ def test_packing_runs_each_prompt_once_and_no_padding():
     assert seen == [torch.Size([3, max(per_group)])]
 
 
+def _assert_packed_matches_naive(model, batch, g):
+    """The engine's (packed) log-probs and parameter gradients equal the padded naive pass."""
+    w = torch.randn(batch["input_ids"].shape, generator=g)  # an arbitrary upstream gradient
+    out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
+    (out.logps * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = _naive_logps(model, batch)
+    (want * w).sum().backward()
+    assert torch.allclose(out.logps, want.detach(), atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
 def test_packing_without_a_shared_prefix_matches_naive():
     """Right-padded rows of very different lengths (SFT's layout) are packed end to end: same log-probs and gradient."""
     from gcfamily.data import collate
@@ -188,16 +202,7 @@ def test_packing_without_a_shared_prefix_matches_naive():
     assert engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]) is None
     packing = engine.pack_rows(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert packing.input_ids.shape == (1, 5 + 44 + 5 + 43)  # end to end in one row, no padding
-    w = torch.randn(batch["input_ids"].shape, generator=g)
-    out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
-    (out.logps * w).sum().backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    want = _naive_logps(model, batch)
-    (want * w).sum().backward()
-    assert torch.allclose(out.logps, want.detach(), atol=1e-5)
-    for n, p in model.named_parameters():
-        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+    _assert_packed_matches_naive(model, batch, g)
 
 
 def test_packing_is_skipped_when_rows_fill_the_batch():
@@ -216,16 +221,7 @@ def test_common_prefix_of_different_prompts_is_shared():
     batch = collate(rows, 0)
     S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert S == 9 and inverse.tolist() == [0, 0, 0] and first.tolist() == [0]
-    w = torch.randn(batch["input_ids"].shape, generator=g)
-    out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 8)
-    (out.logps * w).sum().backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    want = _naive_logps(model, batch)
-    (want * w).sum().backward()
-    assert torch.allclose(out.logps, want.detach(), atol=1e-5)
-    for n, p in model.named_parameters():
-        assert torch.allclose(got[n], p.grad, atol=1e-5, rtol=1e-4), n
+    _assert_packed_matches_naive(model, batch, g)
 
 
 def test_shared_prefix_of_right_padded_pairs():

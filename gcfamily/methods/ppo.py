@@ -36,7 +36,8 @@ from torch import nn
 
 from gcfamily.config import Config
 from gcfamily.data import to_device
-from gcfamily.engine import backbone_hidden, build_optimizer, effective_mask, grads_finite
+from gcfamily.engine import build_optimizer, effective_mask, grads_finite
+from gcfamily.packing import backbone_hidden
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import ClippedOnPolicy
