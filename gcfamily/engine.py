@@ -162,11 +162,11 @@ class LogprobModel(nn.Module):
 
 def _token_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int,
-    share_prefix: bool = True, pack: bool = True,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
     backbone, head = model_parts(model)
-    hidden, S = backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix, pack)  # [B, L - S, H]
+    hidden, S = backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix)  # [B, L - S, H]
     # the hidden state at t-1 predicts the token at t; columns before S predict no loss token
     pred_mask = loss_mask[:, 1:].bool()  # [B, L-1]
     h = hidden[:, :-1][pred_mask[:, S:]]  # [N, H]

@@ -140,16 +140,16 @@ PACKED_ATTENTION = ("sdpa", "eager")
 
 
 def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     share_prefix: bool, pack: bool = True) -> tuple[torch.Tensor, int]:
+                     share_prefix: bool) -> tuple[torch.Tensor, int]:
     """Hidden states [B, L - S, H] of the original columns S.. (S > 0 only past a shared prefix).
 
     Packed (`pack_rows`), the backbone runs once over every real token of the micro-batch and over
     a prompt that G rows share once, instead of over B x L padded columns: the same function, so
     the same log-probs and gradients (a shared prefix's gradient is summed over its rows by the
-    gather). `pack=False`, or an attention without custom masks, is one plain padded pass.
+    gather). An attention implementation without custom masks runs one plain padded pass.
     """
     impl = getattr(getattr(backbone, "config", None), "_attn_implementation", None)
-    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if pack and impl in PACKED_ATTENTION else None
+    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if impl in PACKED_ATTENTION else None
     if packing is None:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0
