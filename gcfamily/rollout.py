@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from gcfamily.errors import GcfError
+from gcfamily.onednn import packed_linears
 
 _STOP_CHECK_EVERY = 4  # decode for stop strings every few tokens; a final exact pass fixes the lengths
 # Copying a row's KV cache costs about a tenth of a decode step for that row (SmolLM2-135M, CPU), so ended
@@ -245,42 +246,43 @@ def generate(
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
         return out.logits[:, -1]  # [B, V]
 
-    # Prefill each distinct prompt once, then copy its cache rows G times.
-    pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
-    logits = step(prompt, prompt_mask, pos).repeat_interleave(G, 0)  # [N, V]
-    cache.batch_repeat_interleave(G)
-    next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
+    with packed_linears(model, N):  # CPU float32: oneDNN with weights packed once for the whole rollout
+        # Prefill each distinct prompt once, then copy its cache rows G times.
+        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
+        logits = step(prompt, prompt_mask, pos).repeat_interleave(G, 0)  # [N, V]
+        cache.batch_repeat_interleave(G)
+        next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
 
-    tokens = torch.full((N, C), pad_id, dtype=torch.long, device=device)  # [N, C]
-    logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]
-    lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
-    ended = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
-    # The batch in flight: `active` maps its rows to rows of the result; rows that ended since the
-    # last compaction ride along until the next one. Per-row state lives in [A] tensors updated
-    # without host syncs; it is written back to the [N] ones when the batch shrinks and at the end.
-    active = torch.arange(N, device=device)  # [A]
-    len_a, ended_a = lengths.clone(), ended.clone()  # [A]
-    for t in range(C):
-        tok, lp = sample_tokens(logits, settings, generator)  # [A]
-        tokens[active, t], logps[active, t] = tok, lp
-        hit = torch.isin(tok, eos)  # [A]
-        if settings.stop_strings and (t + 1) % _STOP_CHECK_EVERY == 0:
-            hit |= _has_stop(tokenizer, tokens, active, t, settings.stop_strings)
-        len_a = torch.where(hit & ~ended_a, t + 1, len_a)
-        ended_a = ended_a | hit
-        n_done = int(ended_a.sum())  # the one host sync per token
-        if n_done == len(active) or t == C - 1:
-            break
-        if n_done and n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active):
-            # Drop ended rows so later steps spend nothing on them, once the row-steps that saves outweigh the copy.
-            lengths[active], ended[active] = len_a, ended_a
-            live = (~ended_a).nonzero()[:, 0]  # [A']
-            cache.batch_select_indices(live)
-            active, tok, next_pos, mask = active[live], tok[live], next_pos[live], mask[live]
-            len_a, ended_a = len_a[live], ended_a[live]
-        logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
-        next_pos = next_pos + 1
+        tokens = torch.full((N, C), pad_id, dtype=torch.long, device=device)  # [N, C]
+        logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]
+        lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
+        ended = torch.zeros(N, dtype=torch.bool, device=device)  # [N]
+        # The batch in flight: `active` maps its rows to rows of the result; rows that ended since the
+        # last compaction ride along until the next one. Per-row state lives in [A] tensors updated
+        # without host syncs; it is written back to the [N] ones when the batch shrinks and at the end.
+        active = torch.arange(N, device=device)  # [A]
+        len_a, ended_a = lengths.clone(), ended.clone()  # [A]
+        for t in range(C):
+            tok, lp = sample_tokens(logits, settings, generator)  # [A]
+            tokens[active, t], logps[active, t] = tok, lp
+            hit = torch.isin(tok, eos)  # [A]
+            if settings.stop_strings and (t + 1) % _STOP_CHECK_EVERY == 0:
+                hit |= _has_stop(tokenizer, tokens, active, t, settings.stop_strings)
+            len_a = torch.where(hit & ~ended_a, t + 1, len_a)
+            ended_a = ended_a | hit
+            n_done = int(ended_a.sum())  # the one host sync per token
+            if n_done == len(active) or t == C - 1:
+                break
+            if n_done and n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active):
+                # Drop ended rows so later steps spend nothing on them, once the row-steps that saves outweigh the copy.
+                lengths[active], ended[active] = len_a, ended_a
+                live = (~ended_a).nonzero()[:, 0]  # [A']
+                cache.batch_select_indices(live)
+                active, tok, next_pos, mask = active[live], tok[live], next_pos[live], mask[live]
+                len_a, ended_a = len_a[live], ended_a[live]
+            logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
+            next_pos = next_pos + 1
     lengths[active], ended[active] = len_a, ended_a
     if settings.stop_strings:
         _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)

@@ -1,0 +1,89 @@
+"""gcfamily.onednn: packed oneDNN linears give the model's own outputs, switch only what they may, and always undo."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from gcfamily import onednn
+from gcfamily.onednn import packed_linears
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN packed linear ops")
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen2ForCausalLM:
+    # Qwen2: q/k/v projections carry a bias; tied head and embedding share one weight.
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.bias.normal_()  # nonzero, so a dropped bias would show
+    return m
+
+
+def _linears(m: nn.Module) -> list[nn.Linear]:
+    return [x for x in m.modules() if type(x) is nn.Linear]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_logits_equal_the_plain_forward_for_any_row_count(model, rows):
+    ids = torch.randint(0, 96, (3, 7))
+    ref = model(input_ids=ids).logits
+    with packed_linears(model, rows) as n:
+        got = model(input_ids=ids).logits
+    assert n == len(_linears(model)) > 0
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_forwards_are_restored_even_after_an_error(model):
+    with pytest.raises(RuntimeError, match="inside"):
+        with packed_linears(model, 4):
+            assert all("forward" in m.__dict__ for m in _linears(model))
+            raise RuntimeError("inside")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_nothing_is_switched_with_gradients_on_or_when_disabled(model, monkeypatch):
+    with packed_linears(model, 4) as n:  # gradients on: training keeps autograd's linear
+        assert n == 0 and not any("forward" in m.__dict__ for m in model.modules())
+    monkeypatch.setattr(onednn, "ENABLED", False)
+    with torch.no_grad(), packed_linears(model, 4) as n:
+        assert n == 0
+
+
+@torch.no_grad()
+def test_only_plain_float32_linears_are_switched():
+    class Adapter(nn.Linear):  # a subclass may change forward: left alone
+        pass
+
+    net = nn.Sequential(nn.Linear(4, 4), Adapter(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    with packed_linears(net, 2) as n:
+        assert n == 1 and "forward" in net[0].__dict__
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(net[0](x), nn.functional.linear(x, net[0].weight, net[0].bias))
+        with torch.enable_grad():  # a backward inside the block still gets autograd's linear
+            assert net[0](x).requires_grad
+
+
+@torch.no_grad()
+def test_greedy_rollout_is_the_same_with_and_without(model, monkeypatch):
+    from gcfamily.rollout import SamplingSettings, generate
+
+    class Tok:  # ids in, ids out: enough for generate
+        pad_token_id, eos_token_id = 0, 1
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, r)) for r in rows]
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    settings = SamplingSettings(greedy=True, max_new_tokens=12)
+    on = generate(model, Tok(), prompts, 2, settings)
+    monkeypatch.setattr(onednn, "ENABLED", False)
+    off = generate(model, Tok(), prompts, 2, settings)
+    assert torch.equal(on.input_ids, off.input_ids)
+    torch.testing.assert_close(on.sample_logps, off.sample_logps, rtol=0, atol=1e-5)
