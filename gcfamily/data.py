@@ -40,6 +40,7 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
             ds = datasets.load_dataset(str(path), split=split)
         else:
             ds = datasets.load_dataset(source, split=split)
+        rows = [dict(r) for r in ds]  # decoding can fail too (odd nested keys)
     except GcfError:
         raise
     except Exception as e:  # datasets raises many types for unreachable hubs and bad files
@@ -49,7 +50,6 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         raise GcfError(
             f"Dataset {source} could not be loaded from the hub ({first[:160]}); offline, use a local file or a built-in task (--task arithmetic)."
         ) from e
-    rows = [dict(r) for r in ds]
     if not rows:
         raise GcfError(f"Dataset {source} is empty; it needs at least one row.")
     return rows
