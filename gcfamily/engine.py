@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gcfamily import onednn
 from gcfamily.errors import GcfError
 from gcfamily.packing import Packing, backbone_hidden, pack_rows, position_ids_from_mask, shared_prefix  # noqa: F401  (the engine's API)
 
@@ -52,18 +53,18 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):  # type: ignore[override]
         N = hidden.shape[0]
         logps = hidden.new_empty(N, dtype=torch.float32)  # [N]
-        entropy = hidden.new_empty(N, dtype=torch.float32)  # [N]
+        entropy = hidden.new_zeros(N, dtype=torch.float32)  # [N]
         lse_all = hidden.new_empty(N, dtype=torch.float32)  # [N]
         for s in range(0, N, chunk_size):
             logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
             logps[s : s + chunk_size] = tgt - lse
-            probs = torch.softmax(logits, dim=-1)
-            entropy[s : s + chunk_size] = lse - (probs * logits).sum(-1)
+            if with_entropy:  # a metric: one more pass over [c, V], skipped by forward-only passes
+                entropy[s : s + chunk_size] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
             lse_all[s : s + chunk_size] = lse
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
         ctx.temperature, ctx.chunk_size, ctx.has_bias = temperature, chunk_size, bias is not None
@@ -93,13 +94,16 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 grad_b += g.sum(0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float) -> torch.Tensor:
-    logits = (h @ weight.t()).float()  # [c, V]
-    if bias is not None:
-        logits = logits + bias.float()
+    if h.dtype == weight.dtype == torch.float32:
+        logits = onednn.linear(h, weight, bias)  # [c, V]; oneDNN on CPU
+    else:
+        logits = (h @ weight.t()).float()  # [c, V]
+        if bias is not None:
+            logits = logits + bias.float()
     return logits / tau if tau != 1.0 else logits
 
 
@@ -116,7 +120,7 @@ class TokenLogprobs:
     """Per-token log-probs aligned with input_ids: logps[b, t] = log pi(input_ids[b, t] | input_ids[b, <t])."""
 
     logps: torch.Tensor  # [B, L] with grad where the mask is on, 0 elsewhere
-    entropy: torch.Tensor  # [B, L] no grad, 0 where the mask is off
+    entropy: torch.Tensor  # [B, L] no grad, 0 where the mask is off and on passes without gradients
 
 
 def token_logprobs(
@@ -175,7 +179,8 @@ def _token_logprobs(
     entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
     if h.shape[0] == 0:
         return logps + 0.0 * hidden.sum(), entropy
-    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size))
+    # entropy is a training metric: passes without gradients (pi_old, the reference) skip it and get zeros
+    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled())
     full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
     entropy[:, 1:][pred_mask] = ent

@@ -51,6 +51,17 @@ def _packed_forward(m: nn.Linear, packed: torch.Tensor):
     return forward
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) without autograd: oneDNN for float32 CPU tensors, else `F.linear`.
+
+    For hand-written backward passes (the engine's chunked output layer), where a product with a
+    [V, H] weight is a large share of the step.
+    """
+    if ENABLED and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return nn.functional.linear(x, weight, bias)
+
+
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     """Run `model`'s float32 CPU `nn.Linear` layers through oneDNN with packed weights inside the block.

@@ -59,6 +59,9 @@ def test_entropy_matches_naive():
     p = torch.softmax(logits, -1)
     ent = -(p * torch.log_softmax(logits, -1)).sum(-1) * batch["loss_mask"][:, 1:]
     assert torch.allclose(out.entropy[:, 1:], ent, atol=1e-5)
+    with torch.no_grad():  # forward-only passes (pi_old, the reference) skip the entropy, not the log-probs
+        ref = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 5)
+    assert torch.equal(ref.logps, out.logps.detach()) and not ref.entropy.any()
 
 
 def test_left_padding_gives_same_logprobs():

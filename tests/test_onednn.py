@@ -87,3 +87,11 @@ def test_greedy_rollout_is_the_same_with_and_without(model, monkeypatch):
     off = generate(model, Tok(), prompts, 2, settings)
     assert torch.equal(on.input_ids, off.input_ids)
     torch.testing.assert_close(on.sample_logps, off.sample_logps, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_equals_f_linear(dtype):
+    x, w, b = torch.randn(7, 16, dtype=dtype), torch.randn(40, 16, dtype=dtype), torch.randn(40, dtype=dtype)
+    for bias in (None, b):
+        torch.testing.assert_close(onednn.linear(x, w, bias), nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(onednn.linear(x, w.t().contiguous().t()), x @ w.t(), rtol=1e-5, atol=1e-5)  # strided weight
