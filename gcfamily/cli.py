@@ -84,12 +84,13 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
         if nproc > 1 and "run" in sys.argv:  # every process must write to the same folder
             sys.argv += ["--output-dir", cfg.output_dir]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of torchrun (or of --nproc)
-        from gcfamily.distributed import run_process
+        from gcfamily.launch import run_process
 
         run_process(cfg, resume)
         return
     if nproc > 1:
-        from gcfamily.distributed import check_batch_size, launch
+        from gcfamily.distributed import check_batch_size
+        from gcfamily.launch import launch
 
         check_batch_size(cfg.batch_size, nproc)
         if "run" not in sys.argv:

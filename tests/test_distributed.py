@@ -160,7 +160,8 @@ def test_step_indices_split_the_global_batch_by_rank():
 
 
 def test_checkpoint_resumes_only_on_the_process_count_that_wrote_it():
-    from gcfamily.distributed import local_state, strip_nproc
+    from gcfamily.distributed import local_state
+    from gcfamily.launch import strip_nproc
 
     two = {"rng": "r0", "rank_rng": ["r0", "r1"]}
     env = types.SimpleNamespace(rank=1, world_size=2)
