@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -24,8 +25,10 @@ def launch(nproc: int, argv: list[str]) -> int:
     """Run `gcf` with `argv` (its --nproc removed) in nproc processes under torchrun; its exit code.
 
     Same as `torchrun --standalone --nproc_per_node N -m gcfamily ARGV`, but a user error ends in
-    one line (the lowest failing rank's message) instead of torchrun's failure report.
+    one line (the lowest failing rank's message) instead of torchrun's failure report, and a
+    SIGTERM / SIGINT to this process stops every rank at a checkpoint and exits 128 + signal.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -48,6 +51,12 @@ def launch(nproc: int, argv: list[str]) -> int:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
         print(f"error: process {rank} of {nproc} exited with code {failure.exitcode}; its output is above.", file=sys.stderr)
+        return code
+    except SignalException as e:  # torchrun passed the signal on and waited for the processes
+        message = first_error(Path(err_dir))  # theirs: stopped at step N, checkpoint saved
+        name = signal.Signals(e.sigval).name
+        code, text = message if message is not None else (128 + int(e.sigval), f"Stopped by {name}; the processes were stopped too.")
+        print(f"error: {text}", file=sys.stderr)
         return code
     finally:
         elastic_log.setLevel(level)

@@ -146,6 +146,26 @@ def test_cli_user_error_is_one_line_before_any_process_starts(gcf, tmp_path):
     assert code == 2 and "batch_size=3" in err and "multiple of 2" in err and "Traceback" not in err
 
 
+def test_sigterm_to_the_launcher_stops_every_rank_at_a_checkpoint(tmp_path):
+    """`gcf run --nproc 2` stopped by SIGTERM: one line, exit 143, a resumable checkpoint, no traceback."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--strategy", "ddp",
+           "--max-steps", "100000", "--output-dir", str(out), "--set", "progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "Stopped by SIGTERM" in err.strip().splitlines()[-1], err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")), "no checkpoint"
+
+
 def test_step_indices_split_the_global_batch_by_rank():
     from gcfamily.methods.base import Method
 
