@@ -72,10 +72,10 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     weights must not change inside the block: the packed copies would go stale.
     """
     mods = [m for m in model.modules() if _eligible(m)] if ENABLED and not torch.is_grad_enabled() and available() else []
-    packed: dict[int, torch.Tensor] = {}  # by weight storage: a tied head and embedding pack once
+    packed: dict[tuple, torch.Tensor] = {}  # by weight memory and shape: a tied head and embedding pack once
     try:
         for m in mods:
-            key = m.weight.data_ptr()
+            key = (m.weight.data_ptr(), tuple(m.weight.shape), m.weight.stride())
             if key not in packed:
                 packed[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), max(int(rows), 1))
             m.forward = _packed_forward(m, packed[key])
