@@ -30,6 +30,11 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x @ weight.T + bias; `weight` is plain (any strides) or packed by `_reorder_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def _eligible(m: nn.Module) -> bool:
     w = m.weight if type(m) is nn.Linear else None
     return (
@@ -47,7 +52,7 @@ def _packed_forward(m: nn.Linear, packed: torch.Tensor):
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or torch.is_grad_enabled():
             return nn.functional.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _onednn_linear(x, packed, bias)
 
     return forward
 
@@ -59,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     [V, H] weight is a large share of the step.
     """
     if ENABLED and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and available():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
 
 
