@@ -238,9 +238,11 @@ class Trainer:
                 metrics["tokens/generated"] = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     metrics.update(self.evaluate())
+                # a signal arriving from here on waits for the next step: every rank must act on the same value
+                stop = self._stop_signal
                 if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
                     metrics = self.dist.reduce_metrics(metrics)
-                    self._stop_signal = self.dist.agree_stop(self._stop_signal)
+                    stop = self.dist.agree_stop(stop)
                 # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
                 self.elapsed_s += metrics["time/step_s"]
                 self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
@@ -252,10 +254,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                     self.save_checkpoint()
-                if self._stop_signal:
+                if stop:
                     self.save_checkpoint()
-                    code = 128 + int(getattr(signal, self._stop_signal, signal.SIGTERM))
-                    raise Interrupted(f"Stopped by {self._stop_signal} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
+                    code = 128 + int(getattr(signal, stop, signal.SIGTERM))
+                    raise Interrupted(f"Stopped by {stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
             if cfg.eval_at_ends:
                 self.logger.log(self.step, self.evaluate())
             self.save_checkpoint()

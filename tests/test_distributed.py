@@ -166,6 +166,26 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_checkpoint(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")), "no checkpoint"
 
 
+def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
+    """A signal that lands on one rank between the stop agreement and the stop check must not make
+    that rank alone save and leave (the other would wait in the next step's collective forever)."""
+    out = tmp_path / "late-signal"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out), "late-signal"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and both ranks
+        proc.communicate()
+        pytest.fail("the two processes hung: one rank stopped on its own and the other waited in a collective")
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in ranks] == [2, 2], ranks
+    assert all(r["stopped"] and r["stopped"].startswith("Stopped by SIGTERM at step 2") for r in ranks), ranks
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
 def test_step_indices_split_the_global_batch_by_rank():
     from gcfamily.methods.base import Method
 
@@ -256,5 +276,40 @@ def _worker(out: Path) -> None:
         env.close()
 
 
+def _late_signal_on_rank_0(out: Path, env) -> None:
+    """Rank 0 gets SIGTERM at step 1 after the ranks agreed not to stop (while it logs); rank 1 never does."""
+    import signal
+
+    from gcfamily.errors import Interrupted
+    from gcfamily.trainer import Trainer
+
+    tr = Trainer(_cfg(out, "ddp", **{**SFT, "max_steps": 4, "save_every": 0, "log_every": 1}), dist_env=env)
+    if env.is_main:
+        log = tr.logger.log
+
+        def log_then_signal(step, metrics):
+            log(step, metrics)
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        tr.logger.log = log_then_signal
+    try:
+        tr.run()
+        stopped = None
+    except Interrupted as e:
+        stopped = str(e)
+    (out / f"rank-{env.rank}.json").write_text(json.dumps({"step": tr.step, "stopped": stopped}))
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    if sys.argv[2:] == ["late-signal"]:
+        torch.set_num_threads(1)
+        from gcfamily.distributed import DistEnv
+
+        dist_env = DistEnv.from_env("cpu")
+        try:
+            _late_signal_on_rank_0(Path(sys.argv[1]), dist_env)
+        finally:
+            dist_env.close()
+    else:
+        _worker(Path(sys.argv[1]))
