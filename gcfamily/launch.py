@@ -50,7 +50,8 @@ def launch(nproc: int, argv: list[str]) -> int:
             return code
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
-        print(f"error: process {rank} of {nproc} exited with code {failure.exitcode}; its output is above.", file=sys.stderr)
+        how = f"was killed by {signal_name(-failure.exitcode)}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}; its output is above"
+        print(f"error: process {rank} of {nproc} {how}.", file=sys.stderr)
         return code
     except SignalException as e:  # torchrun passed the signal on and waited for the processes
         message = first_error(Path(err_dir))  # theirs: stopped at step N, checkpoint saved
@@ -63,6 +64,14 @@ def launch(nproc: int, argv: list[str]) -> int:
         os.environ.clear()
         os.environ.update(saved)
         shutil.rmtree(err_dir, ignore_errors=True)
+
+
+def signal_name(number: int) -> str:
+    """'SIGKILL' for 9; 'signal N' for a number Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -113,6 +122,19 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
         elif rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise SystemExit(code) from None
+    except RuntimeError as e:  # another rank died (killed, crashed): its own output says why
+        if not peer_lost(e):
+            raise
+        print(f"error: process {rank} lost its connection to another process, which stopped first; that process's output says why.", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         if env is not None:
             env.close()
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another process of the group is gone."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST)

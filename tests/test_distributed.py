@@ -186,6 +186,23 @@ def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
 
 
+def test_a_rank_that_loses_its_peer_says_so_in_one_line(tmp_path):
+    """Rank 0 is killed mid-run: rank 1's failed collective is one line, not a traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path / "run"), "rank-0-dies"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "error: process 1 lost its connection to another process, which stopped first" in res.stderr, res.stderr[-6000:]
+    assert "RuntimeError" not in res.stderr, res.stderr[-6000:]
+
+
+def test_a_rank_killed_by_a_signal_is_named_by_its_signal():
+    from gcfamily.launch import signal_name
+
+    assert signal_name(9) == "SIGKILL" and signal_name(15) == "SIGTERM"
+    assert signal_name(200) == "signal 200"
+
+
 def test_step_indices_split_the_global_batch_by_rank():
     from gcfamily.methods.base import Method
 
@@ -301,8 +318,30 @@ def _late_signal_on_rank_0(out: Path, env) -> None:
     (out / f"rank-{env.rank}.json").write_text(json.dumps({"step": tr.step, "stopped": stopped}))
 
 
+def _rank_0_dies(out: Path) -> None:
+    """`gcf run` in each rank (launch.run_process), rank 0 killed by SIGKILL during step 2."""
+    import signal
+
+    from gcfamily.launch import run_process
+    from gcfamily.trainer import Trainer
+
+    if os.environ["RANK"] == "0":
+        step = Trainer.train_step
+
+        def dying_step(self, batch):
+            if self.step == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(self, batch)
+
+        Trainer.train_step = dying_step
+    run_process(_cfg(out, "ddp", **{**SFT, "max_steps": 4}), None)
+
+
 if __name__ == "__main__":
-    if sys.argv[2:] == ["late-signal"]:
+    if sys.argv[2:] == ["rank-0-dies"]:
+        torch.set_num_threads(1)
+        _rank_0_dies(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["late-signal"]:
         torch.set_num_threads(1)
         from gcfamily.distributed import DistEnv
 
