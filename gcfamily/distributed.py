@@ -54,9 +54,9 @@ def check_batch_size(batch_size: int, world_size: int) -> None:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: the classes HF lists in `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = {n for sub in model.modules() for n in (getattr(sub, "_no_split_modules", None) or [])}  # a critic holds a backbone
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    return layers or list(getattr(model.get_decoder(), "layers", []))
+    return layers or (list(getattr(model.get_decoder(), "layers", [])) if hasattr(model, "get_decoder") else [])
 
 
 class DistEnv:
@@ -111,7 +111,8 @@ class DistEnv:
         return dtype
 
     def wrap(self, model: nn.Module, cfg: Any, method: Any = None) -> nn.Module:
-        """The policy as a LogprobModel under DDP or FSDP2; under FSDP2 the method's frozen models are sharded too."""
+        """The policy as a LogprobModel under DDP or FSDP2. Under FSDP2 the method's own models are
+        sharded too: a frozen pi_ref, and a model it trains (PPO's critic) with its optimizer's state."""
         self.check(cfg)
         self.strategy = cfg.strategy
         root = LogprobModel(model)
@@ -120,18 +121,49 @@ class DistEnv:
             ids = [self.device.index] if self.device.type == "cuda" else None
             return nn.parallel.DistributedDataParallel(root, device_ids=ids, forward_sync_buffers=False)
         self._shard(root)
-        frozen = [m for m in (method.owned_models() if method is not None else []) if not any(p.requires_grad for p in m.parameters())]
-        for ref in frozen:
-            if _is_causal_lm(ref):  # pi_ref; anything else stays whole
-                self._shard(LogprobModel(ref))
+        for m in method.owned_models() if method is not None else []:
+            if any(p.requires_grad for p in m.parameters()):
+                self._shard_trained(m, method)
+            elif _is_causal_lm(m):  # pi_ref; anything else stays whole
+                self._shard(LogprobModel(m))
         return root
 
-    def _shard(self, root: LogprobModel) -> LogprobModel:
+    def _mesh_and_precision(self) -> tuple[Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32) if self.compute_dtype else MixedPrecisionPolicy()
+        return mesh, mp
+
+    def _shard_trained(self, module: nn.Module, owner: Any) -> None:
+        """Shard a second trained model (PPO's critic) in place, layer by layer, and move the
+        optimizers of `owner` that hold its parameters onto the shards (their state too: a resumed
+        checkpoint's whole state is split the way each parameter is)."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh, mp = self._mesh_and_precision()
+        old = dict(module.named_parameters())
+        for layer in decoder_layers(module):  # every group frees its parameters after forward: the critic is called whole
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        new = dict(module.named_parameters())
+        swap = {id(p): new[name] for name, p in old.items()}
+        for opt in (v for v in vars(owner).values() if isinstance(v, torch.optim.Optimizer)):
+            for group in opt.param_groups:
+                group["params"] = [swap.get(id(p), p) for p in group["params"]]
+            for p, st in list(opt.state.items()):
+                if id(p) in swap:
+                    q = swap[id(p)]
+                    opt.state[q] = {k: distribute_tensor(v.to(self.device), q.device_mesh, q.placements) if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape else v
+                                    for k, v in st.items()}
+                    del opt.state[p]
+
+    def _shard(self, root: LogprobModel) -> LogprobModel:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh, mp = self._mesh_and_precision()
         for layer in decoder_layers(root.model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(root, mesh=mesh, mp_policy=mp)
@@ -204,10 +236,13 @@ class DistEnv:
         return total
 
     def average_method_grads(self, method: Any) -> None:
-        """A second model the method trains (PPO's critic) stays whole on every rank: average its gradients."""
+        """A second model the method trains (PPO's critic), whole on every rank under DDP: average its
+        gradients (under FSDP2 it is sharded, and its reduce-scatter has averaged them already)."""
+        from torch.distributed.tensor import DTensor
+
         for module in method.owned_models():
             for p in module.parameters():
-                if p.requires_grad and p.grad is not None:
+                if p.requires_grad and p.grad is not None and not isinstance(p.grad, DTensor):
                     dist.all_reduce(p.grad)
                     p.grad.div_(self.world_size)
 
@@ -226,6 +261,12 @@ class DistEnv:
             else:
                 out[k] = sum(finite) / len(finite)
         return out
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the processes (a copy, on t's device)."""
+        out = t.to(self._comm_device(), copy=True)
+        dist.all_reduce(out)
+        return out.to(t.device)
 
     def agree_stop(self, signal_name: Optional[str]) -> Optional[str]:
         """A signal seen by any rank stops every rank at the same step (the checkpoint is collective)."""

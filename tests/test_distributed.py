@@ -29,6 +29,7 @@ STRATEGIES = ("ddp", "fsdp2")
 G, PROMPTS = 4, 4  # the fixed GRPO batch: 4 groups of 4, two groups per rank
 SFT = dict(method="sft", batch_size=4, micro_batch_size=1, max_steps=2, save_every=1, keep_last=2)
 GRPO = dict(method="grpo", batch_size=PROMPTS, group_size=G, micro_batch_size=4, mu=2, beta=0.04)
+PPO = dict(method="ppo", batch_size=PROMPTS, group_size=G, micro_batch_size=4, mu=2, beta=0.04, critic_lr=1e-3)
 ATOL = 1e-5
 
 
@@ -107,6 +108,27 @@ def test_grpo_on_fixed_rollouts_two_processes_equal_one(two_process, tmp_path, s
     _assert_same(ref, load_file(str(two_process / f"grpo-{strategy}.safetensors")))
     two = json.loads((two_process / f"grpo-{strategy}.json").read_text())  # rank 0's step metrics
     assert metrics["grad_norm"] > 0 and two["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ppo_two_processes_equal_one_and_fsdp2_shards_the_critic(two_process, tmp_path, strategy):
+    """PPO's policy and critic after two steps on 2 processes = 1 process (advantages whitened over
+    both ranks' tokens); under FSDP2 each rank holds half the critic and of its Adam state; a resume
+    from the step-1 checkpoint (whole critic state, split again onto the shards) takes the same step 2."""
+    from gcfamily.trainer import Trainer
+
+    one = Trainer(_cfg(tmp_path, **PPO))
+    first = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
+    one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
+    ref = {**{k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()},
+           **{f"critic.{k}": v.detach() for k, v in one.method.critic.state_dict().items()}}
+    _assert_same(ref, load_file(str(two_process / f"ppo-{strategy}.safetensors")))
+    _assert_same(ref, load_file(str(two_process / f"ppo-{strategy}-resumed.safetensors")))
+    two = json.loads((two_process / f"ppo-{strategy}.json").read_text())  # rank 0's first step, its own figures
+    assert two["ppo/critic_grad_norm"] == pytest.approx(first["ppo/critic_grad_norm"], rel=1e-5)
+    share = 0.5 if strategy == "fsdp2" else 1.0
+    for key in ("ppo/critic_param_mb", "ppo/critic_optimizer_mb"):
+        assert two[key] == pytest.approx(share * first[key], rel=0.01), (key, two[key], first[key])
 
 
 def test_cli_grpo_fsdp2_writes_a_plain_transformers_model(tmp_path):
@@ -289,8 +311,37 @@ def _worker(out: Path) -> None:
             if env.is_main:
                 save_file(weights, str(out / f"grpo-{strategy}.safetensors"))
                 (out / f"grpo-{strategy}.json").write_text(json.dumps(metrics))
+            _ppo_worker(out, strategy, env)
     finally:
         env.close()
+
+
+def _ppo_worker(out: Path, strategy: str, env) -> None:
+    """Two PPO steps on the fixed batch (each rank its half), a checkpoint after the first, and a
+    resume from it that takes the second step again: policy and critic weights of both."""
+    from gcfamily.trainer import Trainer
+
+    def share(tr) -> dict:
+        batch = fixed_grpo_batch(tr.tokenizer)
+        per = len(batch["input_ids"]) // env.world_size
+        return select(batch, slice(env.rank * per, (env.rank + 1) * per))
+
+    def weights(tr) -> dict:
+        return {**env.full_state_dict(tr.unwrapped_policy()), **{f"critic.{k}": v for k, v in env.full_state_dict(tr.method.critic).items()}}
+
+    tr = Trainer(_cfg(out / f"ppo-{strategy}", strategy, **PPO), dist_env=env)
+    first = tr.train_step(tr.method.prepare(share(tr)))
+    tr.step = 1
+    tr.save_checkpoint()
+    tr.train_step(tr.method.prepare(share(tr)))
+    two_steps = weights(tr)
+    resumed = Trainer(_cfg(out / f"ppo-{strategy}-resumed", strategy, **PPO), resume=str(out / f"ppo-{strategy}" / "checkpoints" / "step-1"), dist_env=env)
+    resumed.train_step(resumed.method.prepare(share(resumed)))
+    again = weights(resumed)
+    if env.is_main:
+        save_file(two_steps, str(out / f"ppo-{strategy}.safetensors"))
+        save_file(again, str(out / f"ppo-{strategy}-resumed.safetensors"))
+        (out / f"ppo-{strategy}.json").write_text(json.dumps(first))
 
 
 def _late_signal_on_rank_0(out: Path, env) -> None:

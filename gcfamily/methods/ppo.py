@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -90,15 +90,26 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv, (adv + values) * m
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (sample std), 0 elsewhere; unchanged but centred if fewer than 2."""
+def whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (sample std), 0 elsewhere; unchanged but centred if fewer than 2.
+
+    With `all_sum` (a sum over the processes, DistEnv.all_sum) the mean and std are those of every
+    process's entries together, so N processes whiten exactly as one process with the whole batch.
+    """
     m = mask.bool()
-    n = int(m.sum())
+    v = x[m].double()
+    total = torch.stack([v.new_tensor(float(v.numel())), v.sum()])
+    if all_sum is not None:
+        total = all_sum(total)
+    n = int(total[0])
     if n == 0:
         return torch.zeros_like(x)
-    mean = x[m].mean()
-    std = x[m].std() if n > 1 else x.new_ones(())
-    return torch.where(m, (x - mean) / (std + 1e-8), 0.0)
+    mean = total[1] / n
+    sq = ((v - mean) ** 2).sum().reshape(1)
+    if all_sum is not None:
+        sq = all_sum(sq)
+    std = (sq[0] / (n - 1)).sqrt() if n > 1 else mean.new_ones(())
+    return torch.where(m, ((x.double() - mean) / (std + 1e-8)).to(x.dtype), 0.0)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -120,12 +131,16 @@ def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: to
 
 
 def module_mb(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[float, float]:
-    """(parameters, optimizer state) of a model in MB."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    """(parameters, optimizer state) of a model in MB, this process's shards where it is sharded."""
+    def nbytes(t: torch.Tensor) -> int:  # this process's share of a sharded tensor
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    params = sum(nbytes(p) for p in module.parameters())
     state = 0
     if optimizer is not None:
         for s in optimizer.state.values():
-            state += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+            state += sum(nbytes(v) for v in s.values() if isinstance(v, torch.Tensor))
     return params / 2**20, state / 2**20
 
 
@@ -194,7 +209,8 @@ class PPO(ClippedOnPolicy):
         batch["values"] = self.critic_values(batch) * mask  # [N, L]
         batch["token_rewards"] = self.token_rewards(batch, old)  # [N, L]
         adv, batch["returns"] = gae(batch["token_rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
-        batch["advantages"] = whiten(adv, valid) if self.whiten_advantages else adv * valid  # [N, L]
+        env = getattr(tr, "dist", None)
+        batch["advantages"] = whiten(adv, valid, env.all_sum if env is not None else None) if self.whiten_advantages else adv * valid  # [N, L]
         n = max(float(valid.sum()), 1.0)
         batch["stat/ppo/explained_variance"] = explained_variance(batch["values"], batch["returns"], valid)
         batch["stat/ppo/value_mean"] = float((batch["values"] * valid).sum()) / n
@@ -292,16 +308,18 @@ class PPO(ClippedOnPolicy):
         out: dict[str, float] = {}
         tokens = self.critic_tokens
         if dist.is_available() and dist.is_initialized():
-            # the trainer averages the critic's gradients over the ranks (DistEnv.average_method_grads),
-            # so dividing by the mean token count per rank gives sum / (tokens of the whole step)
+            # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or
+            # FSDP2's reduce-scatter when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
             t = torch.tensor([tokens], dtype=torch.float64, device=next(self.critic.parameters()).device)
             dist.all_reduce(t)
             tokens = float(t) / dist.get_world_size()
+        env = getattr(self.trainer, "dist", None)  # under FSDP2 the critic is sharded: norms and checks span the ranks
         if params and tokens > 0:
             torch._foreach_div_([p.grad for p in params], tokens)
-            if grads_finite(params):
+            if grads_finite(params) if env is None else env.all_finite(0.0, params):
                 clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-                out["ppo/critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
+                norm = torch.nn.utils.clip_grad_norm_(params, clip) if env is None else env.clip_grad_norm_(params, clip)
+                out["ppo/critic_grad_norm"] = float(norm)
                 self.critic_optimizer.step()
             else:
                 out["ppo/critic_skipped"] = 1.0
