@@ -152,7 +152,10 @@ class DistEnv:
         swap = {id(p): new[name] for name, p in old.items()}
         for opt in (v for v in vars(owner).values() if isinstance(v, torch.optim.Optimizer)):
             for group in opt.param_groups:
-                group["params"] = [swap.get(id(p), p) for p in group["params"]]
+                if any(id(p) in swap for p in group["params"]):
+                    group["params"] = [swap.get(id(p), p) for p in group["params"]]
+                    if group.get("fused"):  # as engine.build_optimizer does for sharded parameters
+                        group["fused"], group["foreach"] = False, True
             for p, st in list(opt.state.items()):
                 if id(p) in swap:
                     q = swap[id(p)]
