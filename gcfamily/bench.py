@@ -31,10 +31,12 @@ time, one line per method), gc.png.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +46,7 @@ from typing import Any, Optional
 import click
 
 from gcfamily.bench_report import fmt, plots, summarise, table
-from gcfamily.errors import GcfError
+from gcfamily.errors import GcfError, Interrupted
 
 DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
 BUDGET_KINDS = ("steps", "tokens", "time")
@@ -265,10 +267,29 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
     spec_path = folder / "bench_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     t0 = time.perf_counter()
+    received: list[int] = []
     with (folder / "bench.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gcfamily.bench", str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+
+        def forward(signum: int, _frame: Any) -> None:  # the child stops at a checkpoint; we wait for it
+            received.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+        previous = {}
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, forward)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # retried after each handler (PEP 475)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         proc.returncode = os.waitstatus_to_exitcode(status)
+    if received:
+        name = signal.Signals(received[0]).name
+        raise Interrupted(f"Stopped by {name} while {folder.name} was running (its log: {folder / 'bench.log'}); "
+                          "the runs that finished are kept, and the same command runs the rest.", 128 + received[0])
     return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "max_rss_mb": usage.ru_maxrss / 1024}
 
 
@@ -357,4 +378,8 @@ def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optio
 
 
 if __name__ == "__main__":
-    child(sys.argv[1])
+    try:
+        child(sys.argv[1])
+    except GcfError as err:  # the parent reports the exit code and points at this log
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 2))

@@ -83,3 +83,30 @@ def test_budget_and_settings_errors(gcf, tmp_path):
     assert code == 2 and "Unknown method 'nope'" in err
     code, _, err = gcf("bench", "--quick", "--methods", "sft", "--set", "bogus=1", "--out", str(tmp_path / "b"))
     assert code == 2 and "Unknown setting 'bogus'" in err
+
+
+def test_sigterm_to_bench_stops_the_running_method_at_a_checkpoint(tmp_path):
+    """SIGTERM to `gcf bench` reaches the running method, which saves a checkpoint; bench waits for it,
+    says so in one line and exits 143, and leaves no run behind it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "gcfamily", "bench", "--quick", "--methods", "sft,rft", "--budget", "steps:100000", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    metrics = out / "sft" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: Stopped by SIGTERM while sft was running"), err
+    assert list((out / "sft" / "checkpoints").glob("step-*/COMPLETE")), "the method did not stop at a checkpoint"
+    assert not (out / "sft" / "bench_proc.json").exists() and not (out / "rft").exists()  # the same command runs sft again, then rft
