@@ -60,7 +60,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "default": {
         "model": "smollm2-135m",
         "budget": "time:210",  # the same training seconds for each method: 5 x (210 s + evaluations) stays within 30 min
-        "common": {"eval_samples": 64, "max_new_tokens": 16, "max_length": 256},
+        "common": {"eval_samples": 64, "max_new_tokens": 16, "max_length": 256, "eval_every_s": 60},  # accuracy curves: 4 points past the start
         "methods": {
             "sft": {"batch_size": 8, "micro_batch_size": 8, "lr": 2e-5},
             "rft": {**_ONPOLICY, "lr": 1e-5},
@@ -72,7 +72,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "quick": {
         "model": "tiny",
         "budget": "steps:60",
-        "common": {"eval_samples": 32, "max_new_tokens": 8, "max_length": 128},
+        "common": {"eval_samples": 32, "max_new_tokens": 8, "max_length": 128, "eval_every": 20},
         "methods": {
             "sft": {"batch_size": 8, "micro_batch_size": 8, "lr": 3e-3},
             "rft": {**_ONPOLICY, "max_new_tokens": 8, "lr": 3e-3},

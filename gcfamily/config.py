@@ -154,6 +154,8 @@ class Config:
     """Write metrics every this many steps."""
     eval_every: int = 0
     """Held-out accuracy every this many steps (0 = only before and after)."""
+    eval_every_s: float = 0.0
+    """Held-out accuracy each time this many more seconds of training steps have run (0 = off; evaluation time is not counted)."""
     eval_samples: int = 64
     """Held-out prompts used for accuracy."""
     eval_at_ends: bool = False
@@ -287,6 +289,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (cfg.max_steps >= 0, "max_steps must be >= 0"),
         (cfg.max_time >= 0 and cfg.max_tokens >= 0, "max_time and max_tokens must be >= 0 (0 = no limit)"),
+        (cfg.eval_every >= 0 and cfg.eval_every_s >= 0, "eval_every and eval_every_s must be >= 0 (0 = off)"),
         (cfg.batch_size >= 1, "batch_size must be >= 1"),
         (cfg.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
         (cfg.lr > 0, "lr (learning rate) must be > 0"),

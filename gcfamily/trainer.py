@@ -244,10 +244,13 @@ class Trainer:
                     metrics = self.dist.reduce_metrics(metrics)
                     stop = self.dist.agree_stop(stop)
                 # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
+                before_s = self.elapsed_s
                 self.elapsed_s += metrics["time/step_s"]
                 self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
                 metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen})
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent():
+                if self._time_to_evaluate(before_s) and "eval/accuracy" not in metrics:  # the reduced clock: every rank agrees
+                    metrics.update(self.evaluate())
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or "eval/accuracy" in metrics:
                     self.logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
@@ -269,6 +272,12 @@ class Trainer:
                 bar.close()
             self.logger.close()
         return self.out_dir
+
+    def _time_to_evaluate(self, before_s: float) -> bool:
+        """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""
+        every = self.cfg.eval_every_s
+        last = self.step >= self.cfg.max_steps or self.budget_spent()
+        return bool(every) and int(self.elapsed_s // every) > int(before_s // every) and not (last and self.cfg.eval_at_ends)
 
     def budget_spent(self) -> bool:
         """max_time or max_tokens (when set) is used up."""

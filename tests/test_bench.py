@@ -65,6 +65,25 @@ def test_token_and_time_budgets_stop_the_trainer(gcf, tmp_path):
     assert rows[-1]["step"] == 1 and "eval/accuracy" in rows[-1]  # the final evaluation still runs
 
 
+def test_eval_every_s_evaluates_each_time_the_training_clock_crosses_a_multiple(tmp_path, monkeypatch):
+    """A fake clock: each step takes 3 s of training time; eval_every_s=7 evaluates after steps 3, 5 and 7
+    (9, 15, 21 s), and the last step leaves its evaluation to eval_at_ends; rows are logged when evaluated."""
+    import types
+
+    import gcfamily.trainer as trainer_module
+    from gcfamily.trainer import Trainer
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    cfg = resolve(None, {"method": "sft", "model": "tiny", "task": "arithmetic", "max_steps": 8, "eval_every_s": 7, "eval_at_ends": True,
+                         "log_every": 100, "eval_samples": 4, "max_new_tokens": 4, "output_dir": str(tmp_path), "progress": False})
+    Trainer(cfg).run()
+    rows = metrics_rows(tmp_path)
+    assert [r["step"] for r in rows if "loss" in r] == [3, 5, 7, 8]  # log_every=100: evaluated steps and the last
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3, 5, 7, 8]
+    assert [r["budget/elapsed_s"] for r in rows if "loss" in r] == [9.0, 15.0, 21.0, 24.0]
+
+
 def test_default_suite_resolves_every_method():
     assert [method_name(m) for m in default_methods()] == list(DEFAULT_METHODS)  # ppo by module:Class until it is registered
     assert set(SUITES["default"]["methods"]) == set(SUITES["quick"]["methods"]) == set(DEFAULT_METHODS)
