@@ -57,13 +57,19 @@ def fixed_grpo_batch(tokenizer) -> dict:
 # the one-process side, and the comparison
 
 
+WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _torchrun(out: Path, *mode: str) -> list[str]:
+    """This file under torchrun in 2 processes: `_worker` (no mode) or the named scenario."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out), *mode]
+
+
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory) -> Path:
     """Run `_worker` in 2 processes under torchrun once for the whole module; its output folder."""
     out = tmp_path_factory.mktemp("two_process")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out)]
-    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(_torchrun(out), env=WORKER_ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"two-process worker failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return out
 
@@ -192,9 +198,7 @@ def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
     """A signal that lands on one rank between the stop agreement and the stop check must not make
     that rank alone save and leave (the other would wait in the next step's collective forever)."""
     out = tmp_path / "late-signal"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out), "late-signal"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(_torchrun(out, "late-signal"), env=WORKER_ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -210,9 +214,7 @@ def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
 
 def test_a_rank_that_loses_its_peer_says_so_in_one_line(tmp_path):
     """Rank 0 is killed mid-run: rank 1's failed collective is one line, not a traceback."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path / "run"), "rank-0-dies"]
-    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(_torchrun(tmp_path / "run", "rank-0-dies"), env=WORKER_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     assert "error: process 1 lost its connection to another process, which stopped first" in res.stderr, res.stderr[-6000:]
     assert "RuntimeError" not in res.stderr, res.stderr[-6000:]
