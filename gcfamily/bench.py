@@ -46,7 +46,7 @@ from typing import Any, Optional
 import click
 
 from gcfamily.bench_report import fmt, plots, summarise, table
-from gcfamily.errors import GcfError, Interrupted
+from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 
 DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
 BUDGET_KINDS = ("steps", "tokens", "time")
@@ -276,15 +276,11 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
 
-        previous = {}
-        with contextlib.suppress(ValueError):  # not the main thread: no handlers
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, forward)
+        restore = install_stop_handlers(forward)
         try:
             _, status, usage = os.wait4(proc.pid, 0)  # retried after each handler (PEP 475)
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            restore()
         proc.returncode = os.waitstatus_to_exitcode(status)
     if received:
         name = signal.Signals(received[0]).name

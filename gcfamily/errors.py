@@ -1,4 +1,11 @@
-"""The one error type a user can cause; the CLI prints its message and exits non-zero."""
+"""The one error type a user can cause; the CLI prints its message and exits non-zero.
+
+Also the stop signals: SIGTERM / SIGINT handled so that a run stops at a checkpoint (`Interrupted`).
+"""
+
+import contextlib
+import signal
+from typing import Any, Callable
 
 
 class GcfError(Exception):
@@ -11,3 +18,20 @@ class Interrupted(GcfError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def install_stop_handlers(handler: Callable[[int, Any], None]) -> Callable[[], None]:
+    """Call `handler` on SIGTERM and SIGINT; returns the function that puts the old handlers back.
+
+    Off the main thread (a test runner's thread) signals cannot be handled, and nothing changes.
+    """
+    previous: dict[int, Any] = {}
+    with contextlib.suppress(ValueError):
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, handler)
+
+    def restore() -> None:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+    return restore

@@ -13,14 +13,14 @@ import resource
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from gcfamily import checkpoint, distributed, engine
 from gcfamily.config import Config, to_dict, validate
 from gcfamily.data import split_batch, to_device
-from gcfamily.errors import GcfError, Interrupted
+from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.logger import RunLogger
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method, gc_stats
@@ -212,7 +212,7 @@ class Trainer:
     def run(self) -> Path:
         """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
         cfg = self.cfg
-        previous_handlers = self._install_signal_handlers()
+        restore_handlers = self._install_signal_handlers()
         bar = self._progress()
         try:
             if cfg.eval_at_ends and self.step == 0:
@@ -266,8 +266,7 @@ class Trainer:
             self.save_checkpoint()
             self.save_final()
         finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
+            restore_handlers()
             if bar is not None:
                 bar.close()
             self.logger.close()
@@ -355,17 +354,13 @@ class Trainer:
         self.tokenizer.save_pretrained(self.out_dir)
 
     # ------------------------------------------------------------------ signals and progress
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        """Turn SIGTERM/SIGINT into a checkpoint at the end of the step; returns the old handlers."""
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """Turn SIGTERM/SIGINT into a checkpoint at the end of the step; returns what restores the old handlers."""
 
         def handler(signum: int, _frame: Any) -> None:
             self._stop_signal = signal.Signals(signum).name
 
-        previous: dict[int, Any] = {}
-        with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test runner thread)
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, handler)
-        return previous
+        return install_stop_handlers(handler)
 
     def _progress(self) -> Any:
         if not (self.cfg.progress and self.is_main):

@@ -31,7 +31,6 @@ import math
 from typing import Any, Callable, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gcfamily.config import Config
@@ -307,13 +306,11 @@ class PPO(ClippedOnPolicy):
         params = [p for p in self.critic.parameters() if p.grad is not None]
         out: dict[str, float] = {}
         tokens = self.critic_tokens
-        if dist.is_available() and dist.is_initialized():
+        env = getattr(self.trainer, "dist", None)  # under FSDP2 the critic is sharded: norms and checks span the ranks
+        if env is not None:
             # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or
             # FSDP2's reduce-scatter when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
-            t = torch.tensor([tokens], dtype=torch.float64, device=next(self.critic.parameters()).device)
-            dist.all_reduce(t)
-            tokens = float(t) / dist.get_world_size()
-        env = getattr(self.trainer, "dist", None)  # under FSDP2 the critic is sharded: norms and checks span the ranks
+            tokens = float(env.all_sum(torch.tensor([tokens], dtype=torch.float64))) / env.world_size
         if params and tokens > 0:
             torch._foreach_div_([p.grad for p in params], tokens)
             if grads_finite(params) if env is None else env.all_finite(0.0, params):
