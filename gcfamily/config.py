@@ -42,7 +42,14 @@ class Config:
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
     dtype: str = "auto"
-    """float32, bfloat16, or auto (bfloat16 on a GPU that supports it, float32 on CPU)."""
+    """Compute dtype of forwards and backwards: float32, bfloat16, or auto (bfloat16 on a GPU that supports it, float32 on CPU).
+    Weights and AdamW state stay in master_dtype; see gcfamily/precision.py."""
+    master_dtype: str = "float32"
+    """dtype of the trained parameters, their gradients and AdamW's state: float32, or bfloat16 to train in pure bfloat16 on purpose
+    (small updates then round away: at lr 1e-6 most weights never move)."""
+    save_dtype: str = "master"
+    """dtype of the final model folder: master (the master weights as trained), float32, bfloat16 or float16 (a smaller copy).
+    Checkpoints always hold the master weights, so a resume is exact."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub model; off unless asked for."""
 
@@ -311,6 +318,8 @@ def validate(cfg: Config) -> None:
         (cfg.strategy in ("ddp", "fsdp2"), "strategy must be ddp or fsdp2"),
         (cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule must be constant, linear or cosine"),
         (cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto, float32, bfloat16 or float16"),
+        (cfg.master_dtype in ("float32", "bfloat16"), "master_dtype must be float32 or bfloat16"),
+        (cfg.save_dtype in ("master", "float32", "bfloat16", "float16"), "save_dtype must be master, float32, bfloat16 or float16"),
         (cfg.save_every >= 0 and cfg.keep_last >= 1, "save_every must be >= 0 and keep_last >= 1"),
         (cfg.norm_constant > 0, "norm_constant must be > 0"),
     ]

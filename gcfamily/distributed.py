@@ -16,9 +16,10 @@ How a run scales out (the single-process path does not change):
 - FSDP2: generation and evaluation run inside `full_parameters` (every group gathered once,
   freed after), and a method's frozen reference is sharded like the policy. Checkpoints gather
   the full state on rank 0, in the single-process format plus each rank's RNG state.
-- GPU: NCCL, one device per process (LOCAL_RANK); under FSDP2 with bfloat16 the master weights
-  stay float32 and forward/backward run in bfloat16 (MixedPrecisionPolicy, gradients reduced in
-  float32). DDP trains in the model's dtype, as one process does.
+- GPU: NCCL, one device per process (LOCAL_RANK). Master weights stay in master_dtype (float32)
+  under both strategies; with a bfloat16 compute dtype FSDP2 casts the gathered parameters
+  (MixedPrecisionPolicy, gradients reduced in float32) and DDP runs under the trainer's autocast,
+  as one process does (gcfamily/precision.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gcfamily import checkpoint
+from gcfamily import checkpoint, precision
 from gcfamily.engine import LogprobModel
 from gcfamily.errors import GcfError
 
@@ -103,12 +104,10 @@ class DistEnv:
         dist.barrier()
 
     # -- wrapping ----------------------------------------------------------------------
-    def master_dtype(self, cfg: Any, dtype: torch.dtype) -> torch.dtype:
-        """dtype to load the policy in: float32 master weights under FSDP2 mixed precision."""
-        if cfg.strategy == "fsdp2" and self.device.type == "cuda" and dtype == torch.bfloat16:
-            self.compute_dtype = torch.bfloat16
-            return torch.float32
-        return dtype
+    def set_precision(self, prec: Any) -> None:
+        """FSDP2 casts the gathered parameters to the compute dtype (its MixedPrecisionPolicy) when it differs
+        from the master dtype; DDP, like one process, computes under the trainer's autocast."""
+        self.compute_dtype = prec.compute if prec.mixed else None
 
     def wrap(self, model: nn.Module, cfg: Any, method: Any = None) -> nn.Module:
         """The policy as a LogprobModel under DDP or FSDP2. Under FSDP2 the method's own models are
@@ -320,7 +319,7 @@ class DistEnv:
         Under FSDP2 mixed precision that is the float32 master weights, as the config then says."""
         weights = self.full_state_dict(trainer.unwrapped_policy())
         if self.is_main:
-            trainer.unwrapped_policy().save_pretrained(trainer.out_dir, state_dict=weights, safe_serialization=True)
+            precision.save_pretrained(trainer.unwrapped_policy(), trainer.out_dir, weights, trainer.cfg.save_dtype)
             trainer.tokenizer.save_pretrained(trainer.out_dir)
         dist.barrier()
 

@@ -50,16 +50,19 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
     Forward and backward each hold one [chunk, V] float32 block at a time, never [N, V]:
     the backward recomputes the chunk's logits and uses d logp / d logits = onehot - softmax.
+    With a `compute` dtype (mixed precision) both products take operands cast to it, as autocast
+    casts a linear layer's, while logits, softmax statistics and gradients accumulate in float32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, compute=None):  # type: ignore[override]
         N = hidden.shape[0]
+        h_c, w_c, b_c = _cast(compute, hidden, weight, bias)
         logps = hidden.new_empty(N, dtype=torch.float32)  # [N]
         entropy = hidden.new_zeros(N, dtype=torch.float32)  # [N]
         lse_all = hidden.new_empty(N, dtype=torch.float32)  # [N]
         for s in range(0, N, chunk_size):
-            logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)  # [c, V]
+            logits = _chunk_logits(h_c[s : s + chunk_size], w_c, b_c, temperature)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
             logps[s : s + chunk_size] = tgt - lse
@@ -67,7 +70,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 entropy[s : s + chunk_size] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
             lse_all[s : s + chunk_size] = lse
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
-        ctx.temperature, ctx.chunk_size, ctx.has_bias = temperature, chunk_size, bias is not None
+        ctx.temperature, ctx.chunk_size, ctx.has_bias, ctx.compute = temperature, chunk_size, bias is not None, compute
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -76,25 +79,33 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau, c = ctx.temperature, ctx.chunk_size
+        h_c, w_c, b_c = _cast(ctx.compute, hidden, weight, bias)  # recast, rather than hold a [V, H] copy from forward to backward
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = None  # the first chunk's product starts it: no [V, H] zero fill
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], c):
-            h = hidden[s : s + c]
-            logits = _chunk_logits(h, weight, bias, tau)  # [c, V]
+            h = h_c[s : s + c]
+            logits = _chunk_logits(h, w_c, b_c, tau)  # [c, V]
             # d logp / d logits = onehot(target) - softmax; scaled by the incoming grad and 1/tau
             g = -torch.exp(logits - lse_all[s : s + c, None])
             g.scatter_add_(1, targets[s : s + c, None], torch.ones_like(g[:, :1]))
             g.mul_(grad_logps[s : s + c, None].float() / tau)
             if grad_h is not None:
-                grad_h[s : s + c] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[s : s + c] = (g.to(w_c.dtype) @ w_c).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = g.t() @ h.float() if grad_w is None else grad_w.addmm_(g.t(), h.float())
+                grad_w = g.t() @ h.float() if grad_w is None else grad_w.addmm_(g.t(), h.float())  # [V, H] in float32
             if grad_b is not None:
                 grad_b += g.sum(0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _cast(compute: torch.dtype | None, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The output layer's operands in the compute dtype (unchanged without one)."""
+    if compute is None:
+        return hidden, weight, bias
+    return hidden.to(compute), weight.to(compute), bias.to(compute) if bias is not None else None
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float) -> torch.Tensor:
@@ -180,7 +191,9 @@ def _token_logprobs(
     if h.shape[0] == 0:
         return logps + 0.0 * hidden.sum(), entropy
     # entropy is a training metric: passes without gradients (pi_old, the reference) skip it and get zeros
-    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled())
+    dev = h.device.type  # under autocast the output layer's products take its dtype too
+    compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled(), compute)
     full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
     entropy[:, 1:][pred_mask] = ent

@@ -76,7 +76,9 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     many layers were switched (0 where oneDNN is off, unavailable or the model is not on CPU). The
     weights must not change inside the block: the packed copies would go stale.
     """
-    mods = [m for m in model.modules() if _eligible(m)] if ENABLED and not torch.is_grad_enabled() and available() else []
+    # under autocast the layers compute in its dtype: packed float32 kernels would compute another function
+    on = ENABLED and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and available()
+    mods = [m for m in model.modules() if _eligible(m)] if on else []
     packed: dict[tuple, torch.Tensor] = {}  # by weight memory and shape: a tied head and embedding pack once
     try:
         for m in mods:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gcfamily import checkpoint, distributed, engine
+from gcfamily import checkpoint, distributed, engine, precision
 from gcfamily.config import Config, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
@@ -37,10 +37,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto -> bfloat16 on a GPU that supports it, float32 otherwise."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    """auto -> bfloat16 on a GPU that supports it, float32 otherwise (the compute dtype)."""
+    return precision.compute_dtype(name, device)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -64,11 +62,15 @@ class Trainer:
         self.out_dir = Path(cfg.output_dir)
         self._check_output_dir(resume)
         self.device = resolve_device(cfg.device) if dist_env is None else dist_env.device
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
+        self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
+        self.dtype = self.precision.master  # what every model of the run is loaded in
+        if dist_env is not None:
+            dist_env.set_precision(self.precision)
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
-        weights_dtype = self.dtype if dist_env is None else dist_env.master_dtype(cfg, self.dtype)  # float32 under FSDP2 mixed precision
-        self.policy, self.tokenizer = load_model(cfg.model, weights_dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
         self.task = self._load_task()
         self.method: Method = self.method_cls(cfg)
         self.method.setup(self)  # may load a reference or a critic from the untouched policy
@@ -120,7 +122,7 @@ class Trainer:
         size = self.cfg.micro_batch_size
         env = getattr(self, "dist", None)  # theory's BanditRunner borrows this method
         model = env.logprob_module(model) if env is not None else model  # an FSDP2-sharded model runs through its root
-        with torch.inference_mode():
+        with torch.inference_mode(), self.autocast():
             for s in range(0, B, size):
                 mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.device)
                 lp = engine.token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, self.cfg.chunk_size, self.cfg.share_prefix)
@@ -143,9 +145,10 @@ class Trainer:
             mb = to_device(mb, self.device)
             sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
             with sync:
-                out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size, cfg.share_prefix)
-                coef = m.coefficient(mb, out.logps.detach())  # [B, L]
-                loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
+                with self.autocast():
+                    out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size, cfg.share_prefix)
+                    coef = m.coefficient(mb, out.logps.detach())  # [B, L]
+                    loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
                 if "force_nan_step" in mb and mb["force_nan_step"]:
                     loss = loss * float("nan")  # test hook: a forced non-finite loss
                 (loss * scale).backward()
@@ -155,7 +158,8 @@ class Trainer:
             n_tok += k
             for key, v in {**gc_stats(coef, mask), "entropy": float((out.entropy * mask).sum()) / max(k, 1), **m.metrics(mb, out.logps.detach(), coef)}.items():
                 sums[key] = sums.get(key, 0.0) + v * max(k, 1)
-            m_aux = m.auxiliary_step(mb)
+            with self.autocast():
+                m_aux = m.auxiliary_step(mb)
             for key, v in m_aux.items():
                 sums[key] = sums.get(key, 0.0) + v * max(k, 1)
         weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
@@ -186,7 +190,9 @@ class Trainer:
         rows = 0
         for mb in mbs:
             n = int(mb["input_ids"].shape[0])
-            for key, v in self.method.auxiliary_step(to_device(mb, self.device)).items():
+            with self.autocast():
+                aux = self.method.auxiliary_step(to_device(mb, self.device))
+            for key, v in aux.items():
                 sums[key] = sums.get(key, 0.0) + v * n
             rows += n
         metrics = {k: v / max(rows, 1) for k, v in sums.items()}
@@ -219,9 +225,10 @@ class Trainer:
                 self.logger.log(0, self.evaluate())
             while self.step < cfg.max_steps and not self.budget_spent():
                 t0 = time.perf_counter()
-                batch = self.method.data(self.step)
-                t_data = time.perf_counter()
-                batch = self.method.prepare(batch)
+                with self.autocast():  # rollouts, rewards from a model, pi_old, pi_ref and values compute like the step
+                    batch = self.method.data(self.step)
+                    t_data = time.perf_counter()
+                    batch = self.method.prepare(batch)
                 t_prep = time.perf_counter()
                 metrics = self.train_step(batch)
                 self.step += 1
@@ -292,10 +299,14 @@ class Trainer:
 
         unwrapped = self.unwrapped_policy()
         was_training = unwrapped.training
-        with self.full_parameters():
+        with self.full_parameters(), self.autocast():
             acc = heldout_accuracy(unwrapped, self.tokenizer, self.task, self.cfg.eval_samples, self.cfg.max_new_tokens)
         unwrapped.train(was_training)
         return {"eval/accuracy": acc}
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Forwards in the compute dtype over master weights (a no-op when they are the same dtype)."""
+        return self.precision.autocast()
 
     # ------------------------------------------------------------------ saving
     def unwrapped_policy(self) -> torch.nn.Module:
@@ -350,7 +361,7 @@ class Trainer:
             self.dist.save_final(self)
             return
         model = self.unwrapped_policy()
-        model.save_pretrained(self.out_dir, safe_serialization=True)
+        precision.save_pretrained(model, self.out_dir, model.state_dict(), self.cfg.save_dtype)
         self.tokenizer.save_pretrained(self.out_dir)
 
     # ------------------------------------------------------------------ signals and progress

@@ -1,0 +1,151 @@
+"""Mixed precision: bf16 compute over float32 master weights and AdamW state; pure bf16 only on request."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gcfamily import engine, precision
+from gcfamily.config import Config
+from gcfamily.errors import GcfError
+from gcfamily.models import tiny_model, tiny_tokenizer
+from gcfamily.onednn import packed_linears
+from gcfamily.trainer import Trainer
+
+SFT = dict(method="sft", model="tiny", task="arithmetic", batch_size=4, micro_batch_size=2, progress=False, device="cpu")
+
+
+def _train(out, **kw):
+    tr = Trainer(Config(output_dir=str(out), **{**SFT, **kw}))
+    before = {n: p.detach().float().clone() for n, p in tr.policy.named_parameters()}
+    tr.run()
+    return tr, before
+
+
+def _changed(tr, before):
+    """[n] bool over every weight element: did the step move it?"""
+    return torch.cat([(p.detach().float() != before[n]).flatten() for n, p in tr.policy.named_parameters()])
+
+
+def _delta(tr, before):
+    return torch.cat([(p.detach().float() - before[n]).flatten() for n, p in tr.policy.named_parameters()])
+
+
+def test_bf16_compute_step_moves_the_weights_a_float32_step_moves(tmp_path):
+    """At lr 1e-6 the float32 masters take bf16-computed updates that pure bf16 weights round away."""
+    settings = dict(lr=1e-6, max_steps=3)
+    fp32, b0 = _train(tmp_path / "fp32", dtype="float32", **settings)
+    mixed, b1 = _train(tmp_path / "mixed", dtype="bfloat16", **settings)
+    pure, b2 = _train(tmp_path / "pure", dtype="bfloat16", master_dtype="bfloat16", **settings)
+    assert {p.dtype for p in mixed.policy.parameters()} == {torch.float32}  # masters stay float32
+    assert {s["exp_avg_sq"].dtype for s in mixed.optimizer.state.values()} == {torch.float32}  # and AdamW's moments
+    assert {p.dtype for p in pure.policy.parameters()} == {torch.bfloat16}  # asked for: pure bf16
+    c32, cmix, cpure = _changed(fp32, b0), _changed(mixed, b1), _changed(pure, b2)
+    assert c32.float().mean() > 0.5
+    assert (c32 == cmix).float().mean() > 0.999  # the same weights move
+    assert cpure.float().mean() < 0.5 * c32.float().mean()  # the failure this guards against: updates rounded away
+    d32, dmix = _delta(fp32, b0), _delta(mixed, b1)
+    both = c32 & cmix
+    assert (torch.sign(d32[both]) == torch.sign(dmix[both])).float().mean() > 0.95  # in the same direction
+    assert not torch.equal(d32, dmix)  # and the compute really was bf16 (else this test proves nothing)
+
+
+def test_engine_under_autocast_computes_in_bf16_and_accumulates_in_float32():
+    """The output layer's products take bf16 operands under autocast; log-probs stay float32 and near float32's."""
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok), seed=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, len(tok), (4, 24), generator=g)
+    am = torch.ones_like(ids)
+    lm = torch.zeros_like(ids)
+    lm[:, 8:] = 1
+    exact = engine.token_logprobs(model, ids, am, lm, 1.0, 16).logps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = engine.token_logprobs(model, ids, am, lm, 1.0, 16)
+    assert mixed.logps.dtype == torch.float32
+    diff = (mixed.logps - exact).abs().max().item()
+    assert 1e-6 < diff < 0.1  # bf16 compute: different from float32, within bf16 rounding
+    (mixed.logps * lm).sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_chunked_head_with_a_compute_dtype_equals_autograd_of_bf16_operands():
+    """Oracle: log_softmax of (h.bf16 @ W.bf16.T) in float32, differentiated by autograd."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = (torch.randn(50, 16, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, 50, (37,), generator=g)
+    up = torch.randn(37, generator=g)
+    lp, _ = engine._ChunkedTokenLogprob.apply(h, w, None, t, 1.0, 8, True, torch.bfloat16)
+    (lp * up).sum().backward()
+    got_h, got_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    logits = (h.bfloat16() @ w.bfloat16().t()).float()
+    want = torch.log_softmax(logits, -1).gather(1, t[:, None]).squeeze(1)
+    assert torch.allclose(lp, want, atol=1e-5)
+    (want * up).sum().backward()
+    assert torch.allclose(got_h, h.grad, atol=1e-2, rtol=1e-2)  # both products in bf16
+    assert torch.allclose(got_w, w.grad, atol=1e-2, rtol=1e-2)
+
+
+def test_packed_onednn_linears_are_off_under_autocast():
+    model = tiny_model(64, seed=0)
+    with torch.no_grad():
+        with packed_linears(model, 4) as n:
+            assert n > 0
+        with torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model, 4) as n:
+            assert n == 0
+
+
+def test_settings_that_cannot_train_exactly_are_one_sentence():
+    cpu = torch.device("cpu")
+    assert precision.resolve("auto", "float32", cpu) == precision.Precision(torch.float32, torch.float32, "cpu")
+    assert precision.resolve("bfloat16", "float32", cpu).mixed
+    assert precision.resolve("auto", "bfloat16", cpu) == precision.Precision(torch.bfloat16, torch.bfloat16, "cpu")
+    with pytest.raises(GcfError, match="pure bfloat16"):
+        precision.resolve("float32", "bfloat16", cpu)
+    with pytest.raises(GcfError, match="loss scaling"):
+        precision.resolve("float16", "float32", cpu)
+    model = tiny_model(64).to(torch.bfloat16)
+    with pytest.raises(GcfError, match="master_dtype is float32"):  # bf16 weights nobody asked for
+        precision.check_master(model.parameters(), precision.resolve("bfloat16", "float32", cpu), "The model x")
+    precision.check_master(model.parameters(), precision.resolve("auto", "bfloat16", cpu), "The model x")  # asked for
+
+
+def test_cli_refuses_float16_and_bf16_masters_with_float32_compute(gcf, tmp_path):
+    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "a"), "--set", "dtype=float16")
+    assert code == 2 and err.strip().startswith("error:") and "loss scaling" in err and "Traceback" not in err
+    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "b"),
+                       "--set", "master_dtype=bfloat16", "--set", "dtype=float32")
+    assert code == 2 and "pure bfloat16" in err
+
+
+def test_checkpoints_hold_masters_and_save_dtype_shrinks_only_the_final_copy(tmp_path):
+    tr, _ = _train(tmp_path / "run", dtype="bfloat16", lr=1e-4, max_steps=2, save_every=1, save_dtype="bfloat16")
+    ckpt = load_file(str(tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors"))
+    final = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert {v.dtype for v in ckpt.values()} == {torch.float32}
+    assert {v.dtype for v in final.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["dtype"] == "bfloat16"
+    masters = dict(tr.policy.named_parameters())
+    assert all(torch.equal(ckpt[k], masters[k].detach()) for k in ckpt if k in masters)  # the masters, exactly
+    assert {p.dtype for p in tr.policy.parameters()} == {torch.float32}  # saving a bf16 copy did not touch them
+
+
+def test_bf16_compute_resume_is_bitwise(tmp_path):
+    common = dict(dtype="bfloat16", lr=1e-3, save_every=1)
+    straight, _ = _train(tmp_path / "a", max_steps=4, **common)
+    _train(tmp_path / "b", max_steps=2, **common)
+    resumed = Trainer(Config(output_dir=str(tmp_path / "b"), max_steps=4, **{**SFT, **common}), resume="latest")
+    resumed.run()
+    for (n, a), b in zip(straight.policy.named_parameters(), resumed.policy.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_grpo_step_under_bf16_compute(tmp_path):
+    tr = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path), max_steps=1, batch_size=2,
+                        group_size=4, max_new_tokens=8, micro_batch_size=4, mu=2, dtype="bfloat16", progress=False, device="cpu"))
+    tr.run()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["skipped_steps"] == 0 and abs(row["grpo/kl"]) < 1e-3  # pi_ref and pi computed alike: KL ~ 0 at step 1
