@@ -64,9 +64,13 @@ def _flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2) -> Path:
-    """Write checkpoint `root/step-{step}` atomically and prune to the newest keep_last."""
+def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2, keys: set[str] | None = None) -> Path:
+    """Write checkpoint `root/step-{step}` atomically and prune to the newest keep_last.
+
+    `keys` limits the weights written to those names (LoRA: the adapters; the frozen base is --model's)."""
     weights = _flat_state(model)
+    if keys is not None:
+        weights = {k: v for k, v in weights.items() if k in keys}
     for k, v in weights.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise GcfError(f"Refusing to write a checkpoint with non-finite weights ({k}); the last good checkpoint is kept.")
@@ -140,10 +144,12 @@ def find(resume: str, run_dir: Path) -> Path:
     raise GcfError(f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N.")
 
 
-def load(path: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load weights into model and return the saved training state."""
+def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> dict[str, Any]:
+    """Load weights into model and return the saved training state; `keys`: the checkpoint holds exactly those (LoRA)."""
     weights = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    if keys is not None:
+        missing = [k for k in keys if k not in weights]
     tied = {k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)}
     if unexpected or set(missing) - tied:
         raise GcfError(f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}).")

@@ -174,6 +174,19 @@ class Config:
     progress: bool = True
     """Show a progress bar."""
 
+    # --- LoRA (gcfamily/lora.py; needs peft)
+    lora_r: int = 0
+    """Rank of LoRA adapters on the attention and MLP projections (0 = full fine-tuning). The reference policy is then the
+    base with the adapters off (no copy), PPO's critic a second set of adapters on the same base."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: the update is (lora_alpha / lora_r) * B A."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps pi_old, pi_ref and the training forward the same function)."""
+    lora_target_modules: list = field(default_factory=list)
+    """Module names to adapt, e.g. [q_proj, v_proj]; empty = every linear layer but the output layer."""
+    merge_lora: bool = False
+    """Save the final model with the adapters merged into its weights (loadable by from_pretrained); the adapter goes to adapter/."""
+
     # --- distribution
     strategy: str = "ddp"
     """ddp or fsdp2 when several processes run."""
@@ -322,6 +335,7 @@ def validate(cfg: Config) -> None:
         (cfg.save_dtype in ("master", "float32", "bfloat16", "float16"), "save_dtype must be master, float32, bfloat16 or float16"),
         (cfg.save_every >= 0 and cfg.keep_last >= 1, "save_every must be >= 0 and keep_last >= 1"),
         (cfg.norm_constant > 0, "norm_constant must be > 0"),
+        (cfg.lora_r >= 0, "lora_r must be >= 0 (0 = full fine-tuning)"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gcfamily import checkpoint, distributed, engine, precision
+from gcfamily import checkpoint, distributed, engine, lora, precision
 from gcfamily.config import Config, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
@@ -57,6 +57,7 @@ class Trainer:
         self.method_cls = get_method(cfg.method)
         self.method_cls.apply_setting_defaults(cfg)
         self.method_cls.validate(cfg)
+        lora.validate(cfg, self.method_cls)
         self.dist = dist_env
         self.is_main = dist_env is None or dist_env.rank == 0
         self.out_dir = Path(cfg.output_dir)
@@ -70,6 +71,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
         self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
+            self.policy = lora.wrap(self.policy, cfg)
         precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
         self.task = self._load_task()
         self.method: Method = self.method_cls(cfg)
@@ -113,6 +116,21 @@ class Trainer:
         from gcfamily.tasks import get_task
 
         return get_task(self.cfg.task, seed=self.cfg.seed, **self.cfg.task_options)
+
+    # ------------------------------------------------------------------ services for methods
+    def reference(self) -> Any:
+        """A frozen pi_ref equal to the policy as it is now: a copy, or with LoRA the base with the adapters off."""
+        policy = self.unwrapped_policy()
+        if lora.is_peft(policy):
+            return lora.AdapterOffReference(policy)
+        from gcfamily.models import load_reference
+
+        return load_reference(policy)
+
+    def weight_keys(self) -> Optional[set[str]]:
+        """The policy weights a checkpoint holds: all (None), or with LoRA only the adapters."""
+        policy = self.unwrapped_policy()
+        return lora.adapter_keys(policy) if lora.is_peft(policy) else None
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -332,12 +350,12 @@ class Trainer:
             return self.dist.save_checkpoint(self)
         if not self.is_main:
             return None
-        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last)
+        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last, self.weight_keys())
 
     def _load_checkpoint(self, resume: str) -> dict[str, Any]:
         """Weights and the method's state into the plain models; the rest waits for _restore."""
         path = checkpoint.find(resume, self.out_dir)
-        state = distributed.local_state(checkpoint.load(path, self.unwrapped_policy()), self.dist)
+        state = distributed.local_state(checkpoint.load(path, self.unwrapped_policy(), self.weight_keys()), self.dist)
         self.method.load_state_dict(state["method"])
         return state
 
@@ -356,6 +374,12 @@ class Trainer:
     def save_final(self) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers."""
         if self.method.save_final(self.out_dir):  # the run's product is the method's own model
+            return
+        if lora.is_peft(self.unwrapped_policy()):  # DDP keeps a whole copy on every rank: rank 0 writes it
+            if self.is_main:
+                lora.save_final(self.unwrapped_policy(), self.tokenizer, self.out_dir, self.cfg.merge_lora, self.cfg.save_dtype)
+            if self.dist is not None:
+                self.dist.barrier()
             return
         if self.dist is not None:
             self.dist.save_final(self)

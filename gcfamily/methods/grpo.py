@@ -28,7 +28,6 @@ from gcfamily.engine import effective_mask
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import ClippedOnPolicy, all_equal_groups, masked_group_stats
-from gcfamily.models import load_reference
 
 
 class GRPO(ClippedOnPolicy):
@@ -49,7 +48,7 @@ class GRPO(ClippedOnPolicy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         # No reference model at all when its KL term is not in the loss.
-        self.ref = load_reference(trainer.unwrapped_policy()) if self.cfg.beta > 0 else None
+        self.ref = trainer.reference() if self.cfg.beta > 0 else None
         self.ref_refreshes = 0
 
     # -- the rule, as small functions a variant overrides one of ----------------------

@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
+from gcfamily import lora
 from gcfamily.config import Config
 from gcfamily.data import to_device
 from gcfamily.engine import build_optimizer, effective_mask, grads_finite
@@ -40,7 +41,7 @@ from gcfamily.packing import backbone_hidden
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import ClippedOnPolicy
-from gcfamily.models import load_model, load_reference
+from gcfamily.models import load_model
 
 
 # ----------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class PPO(ClippedOnPolicy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         cfg = self.cfg
-        self.ref = load_reference(trainer.unwrapped_policy()) if cfg.beta > 0 else None
+        self.ref = trainer.reference() if cfg.beta > 0 else None
         self.critic = self.build_critic(trainer)
         self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay, tuple(cfg.adam_betas))
         self.critic_tokens = 0.0  # valid tokens the critic's loss summed over since its last step
@@ -183,9 +184,12 @@ class PPO(ClippedOnPolicy):
             if tok.get_vocab() != trainer.tokenizer.get_vocab():
                 raise GcfError(f"critic_model={name} has another tokenizer than the policy; the critic reads the policy's tokens, so pick a model of the same family.")
             backbone = model.get_decoder()
+            backbone.requires_grad_(True)
+        elif lora.is_peft(trainer.unwrapped_policy()):  # adapters of its own over the policy's frozen base: no copy of the base
+            backbone = lora.shared_base_copy(trainer.unwrapped_policy().get_decoder())
         else:
             backbone = copy.deepcopy(trainer.unwrapped_policy().get_decoder())
-        backbone.requires_grad_(True)
+            backbone.requires_grad_(True)
         if self.cfg.activation_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
         return ValueModel(backbone, backbone.config.hidden_size).to(trainer.device).train()
@@ -328,10 +332,15 @@ class PPO(ClippedOnPolicy):
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"critic": {k: v.detach().cpu().clone() for k, v in self.critic.state_dict().items()},
+        # what the critic trains: all of it, or (LoRA) its adapters and head, not the base it shares with the policy
+        frozen = {n for n, p in self.critic.named_parameters() if not p.requires_grad}
+        return {"critic": {k: v.detach().cpu().clone() for k, v in self.critic.state_dict().items() if k not in frozen},
                 "critic_optimizer": self.critic_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "critic" in state:
-            self.critic.load_state_dict(state["critic"])
+            frozen = {n for n, p in self.critic.named_parameters() if not p.requires_grad}
+            missing, unexpected = self.critic.load_state_dict(state["critic"], strict=False)
+            if unexpected or set(missing) - frozen:
+                raise GcfError(f"The checkpoint's critic does not match this run's (missing {sorted(set(missing) - frozen)[:3]}, unexpected {unexpected[:3]}).")
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])

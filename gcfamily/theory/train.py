@@ -28,8 +28,10 @@ from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method
+from gcfamily.models import load_reference
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, make_batch, sample_groups
+from gcfamily.theory.steps import CurvatureStep
 from gcfamily.theory.variants import prediction_for
 from gcfamily.trainer import Trainer
 
@@ -38,6 +40,7 @@ class BanditRunner:
     """The part of the Trainer that a method's setup and prepare read, around a bandit policy."""
 
     logprobs = Trainer.logprobs  # the trainer's own no-grad log-prob pass (pi_old, pi_ref)
+    reference = Trainer.reference  # a frozen copy of the policy (GRPO's pi_ref)
 
     def __init__(self, cfg: Config, policy: BanditLM, problem: BanditProblem) -> None:
         self.cfg, self.policy, self.task = cfg, policy, problem
@@ -47,8 +50,19 @@ class BanditRunner:
     def unwrapped_policy(self) -> BanditLM:
         return self.policy
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """No mixed precision: the bandit's float64 logits are used as they are."""
+        return contextlib.nullcontext()
 
-def bandit_config(method: str, G: int, beta: float, std: str = "population", **settings: Any) -> Config:
+    def reference(self) -> torch.nn.Module:
+        """A frozen copy of the policy as it is now (GRPO's pi_ref)."""
+        return load_reference(self.policy)
+
+
+DEFAULT_STD: str = Config.std  # GRPO's own default (the sample std); trained and predicted policies use it alike
+
+
+def bandit_config(method: str, G: int, beta: float, std: str = DEFAULT_STD, **settings: Any) -> Config:
     """Settings for a method on a bandit: one-token completions, the whole batch in one pass."""
     if int(G) != G or G < 2:
         raise GcfError(f"group size G={G} must be an integer >= 2.")
@@ -130,56 +144,65 @@ class TrainResult:
     history: list[float] = field(default_factory=list)  # residual (exact) or loss (sampled) per step
 
 
-def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps: int = 3000, lr: Optional[float] = None,
+def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps: int = 1000, lr: Optional[float] = None,
                  groups_per_prompt: int = 32, seed: int = 0, tol: float = 1e-5) -> TrainResult:
     """Gradient ascent on the bandit's logits with the method of cfg.method, from pi_ref.
 
-    exact: the exact expected gradient, plain gradient steps with lr per prompt (the loss
-    averages over the P prompts, so the SGD rate is lr * P; the default 1/beta is about the
-    largest stable one, the KL term's curvature being about beta), stopping once the residual
-    max_o |grad_o / pi(o)| = |c(o) - E_pi c| is below tol: it is 0 exactly at a stationary
-    point, where the gradient itself also vanishes at every vertex (the engine's float32
-    log-probs put its floor near 1e-6). Sampled: groups_per_prompt groups of G per prompt per step,
-    SGD, and the policy averaged over the second half of the steps (Polyak averaging).
+    exact: the exact expected gradient; natural-gradient steps theta += eta * grad / pi per
+    prompt, eta adapted to the curvature each step (steps.CurvatureStep, which says why) unless
+    lr fixes it, stopping once the residual max_o |grad_o / pi(o)| = |c(o) - E_pi c| is below
+    tol: it is 0 exactly at a stationary point, where the gradient itself also vanishes at every
+    vertex (the engine's float32 log-probs put its floor near 1e-6). Sampled: groups_per_prompt
+    groups of G per prompt per step, SGD with lr per prompt (default 0.1/beta; the loss averages
+    over the P prompts, so the SGD rate is lr * P), and the policy averaged over the second half
+    of the steps (Polyak averaging).
     """
     with one_thread():
-        return _train(problem, cfg, exact, steps, lr, groups_per_prompt, seed, tol)
+        if exact:
+            return _train_exact(problem, cfg, steps, lr, tol)
+        return _train_sampled(problem, cfg, steps, lr, groups_per_prompt, seed)
 
 
-def _train(problem: BanditProblem, cfg: Config, exact: bool, steps: int, lr: Optional[float], groups_per_prompt: int,
-           seed: int, tol: float) -> TrainResult:
+def _train_exact(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], tol: float) -> TrainResult:
+    method, runner = build_method(cfg, problem)
+    policy, step_rule = runner.policy, CurvatureStep(problem.P, fixed=lr)
+    Z, enum = step_normaliser(method, problem), GroupEnumeration(problem, cfg.group_size)
+    history: list[float] = []
+    for step in range(steps):
+        h = -exact_gradient(method, runner, enum, Z) * problem.P / policy.probs()  # [P, K] ascent per prompt, / pi
+        history.append(float(h.abs().max()))
+        if history[-1] < tol:
+            return TrainResult(policy.probs().numpy(), step, history[-1], history)
+        if not math.isfinite(history[-1]):
+            raise GcfError(f"bandit training diverged at step {step}; pass a smaller --lr, or none to adapt it.")
+        with torch.no_grad():
+            policy.head.weight += step_rule(policy.logits.detach(), h).t()
+    return TrainResult(policy.probs().numpy(), steps, history[-1] if history else float("nan"), history)
+
+
+def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], groups_per_prompt: int,
+                   seed: int) -> TrainResult:
     method, runner = build_method(cfg, problem)
     policy = runner.policy
-    lr = lr if lr is not None else (1.0 if exact else 0.1) / cfg.beta
+    lr = lr if lr is not None else 0.1 / cfg.beta
     opt = torch.optim.SGD(policy.parameters(), lr=lr * problem.P)
-    Z_exact = step_normaliser(method, problem)
-    enum = GroupEnumeration(problem, cfg.group_size) if exact else None
     gen = torch.Generator().manual_seed(seed)
     history: list[float] = []
     avg, n_avg = np.zeros((problem.P, problem.K)), 0
-    residual = float("nan")
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        if enum is not None:  # leaves the expected gradient in the policy's .grad
-            g = exact_gradient(method, runner, enum, Z_exact) * problem.P  # [P, K] per prompt
-            residual = float((g / policy.probs()).abs().max())
-            history.append(residual)
-            if residual < tol:
-                return TrainResult(policy.probs().numpy(), step, residual, history)
-        else:
-            batch = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
-            history.append(backward(method, policy, batch, engine.normaliser([batch], method.norm, cfg.norm_constant)))
+        batch = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
+        history.append(backward(method, policy, batch, engine.normaliser([batch], method.norm, cfg.norm_constant)))
         if not math.isfinite(history[-1]):
             raise GcfError(f"bandit training diverged at step {step} (lr {lr:g}); lower the learning rate.")
         opt.step()
-        if not exact and step >= steps // 2:
+        if step >= steps // 2:
             avg, n_avg = avg + policy.probs().numpy(), n_avg + 1
-    pi = avg / n_avg if n_avg else policy.probs().numpy()
-    return TrainResult(pi, steps, residual, history)
+    return TrainResult(avg / max(n_avg, 1), steps, float("nan"), history)
 
 
 def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float,
-                     std: str = "population") -> np.ndarray:
+                     std: str = DEFAULT_STD) -> np.ndarray:
     """The predicted stationary policy [P, K] of `method` (G=None: G -> infinity)."""
     pred = prediction_for(method)
     s = pred.adv_scale(G) if G is not None else 1.0
@@ -188,7 +211,7 @@ def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta
 
 
 def predicted_gradient(problem: BanditProblem, method: str, logits: np.ndarray, G: int, beta: float,
-                       std: str = "population") -> np.ndarray:
+                       std: str = DEFAULT_STD) -> np.ndarray:
     """predictions.expected_gradient [P, K] (ascent, per prompt) for `method` at the given logits."""
     pred = prediction_for(method)
     s = pred.adv_scale(G)
