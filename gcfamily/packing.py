@@ -2,9 +2,10 @@
 
 A prefix that rows share (GRPO's G samples of a prompt, a DPO pair, a system prompt in front of
 different questions) is laid down once per packed row; each row's own tokens follow end to end;
-a block-causal mask and the original position ids give every token the hidden state it has in
-its padded row. `backbone_hidden` gathers those hidden states back to the [B, L] layout, so the
-engine's chunked head, the coefficient and the loss never see the packing.
+a block-causal mask (narrowed to its window for a sliding-window layer, in positions: `families`)
+and the original position ids give every token the hidden state it has in its padded row.
+`backbone_hidden` gathers those hidden states back to the [B, L] layout, so the engine's chunked
+head, the coefficient and the loss never see the packing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from gcfamily import families
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -146,17 +149,28 @@ def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask
     Packed (`pack_rows`), the backbone runs once over every real token of the micro-batch and over
     a prompt that G rows share once, instead of over B x L padded columns: the same function, so
     the same log-probs and gradients (a shared prefix's gradient is summed over its rows by the
-    gather). An attention implementation without custom masks runs one plain padded pass.
+    gather). Each layer type gets its own mask (`families.layer_masks`: full or sliding window).
+    An attention implementation without custom masks, or a family or layer type the packed path
+    is not checked on, runs one plain padded pass; a model no pass can make exact is refused
+    (`families.attention`).
     """
-    impl = getattr(getattr(backbone, "config", None), "_attn_implementation", None)
-    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if impl in PACKED_ATTENTION else None
+    config = getattr(backbone, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    att = families.attention(config) if config is not None else None  # refuses a model no pass makes exact
+    packable = impl in PACKED_ATTENTION and att is not None and att.packable
+    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if packable else None
     if packing is None:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0
-    mask = packing.allowed
-    if impl == "eager":  # additive float mask
+    mask = families.layer_masks(att, packing.allowed, packing.position_ids)  # one [R, 1, T, T] or {layer type: [R, 1, T, T]}
+    if impl == "eager":  # additive float masks
         dtype = next(backbone.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = {k: _additive(m, dtype) for k, m in mask.items()} if isinstance(mask, dict) else _additive(mask, dtype)
     out = backbone(input_ids=packing.input_ids, attention_mask=mask, position_ids=packing.position_ids, use_cache=False)
     h = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [R, T, H]
     return h.reshape(-1, h.shape[-1])[packing.source], packing.S  # [B, L - S, H]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as eager attention takes it: 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
