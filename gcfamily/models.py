@@ -161,6 +161,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
         ) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    from gcfamily.families import prepare
+
+    prepare(model)  # refuses a model whose log-probs cannot be exact; eager attention where it soft-caps
     return model.to(device), tok
 
 
