@@ -52,17 +52,19 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     the backward recomputes the chunk's logits and uses d logp / d logits = onehot - softmax.
     With a `compute` dtype (mixed precision) both products take operands cast to it, as autocast
     casts a linear layer's, while logits, softmax statistics and gradients accumulate in float32.
+    With `softcap` c (Gemma 2's final_logit_softcapping) the logits are c * tanh(z / c), as the model's
+    own forward makes them, and the backward carries its derivative 1 - tanh^2(z / c).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, compute=None):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, compute=None, softcap=None):  # type: ignore[override]
         N = hidden.shape[0]
         h_c, w_c, b_c = _cast(compute, hidden, weight, bias)
         logps = hidden.new_empty(N, dtype=torch.float32)  # [N]
         entropy = hidden.new_zeros(N, dtype=torch.float32)  # [N]
         lse_all = hidden.new_empty(N, dtype=torch.float32)  # [N]
         for s in range(0, N, chunk_size):
-            logits = _chunk_logits(h_c[s : s + chunk_size], w_c, b_c, temperature)  # [c, V]
+            logits, _ = _chunk_logits(h_c[s : s + chunk_size], w_c, b_c, temperature, softcap)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
             logps[s : s + chunk_size] = tgt - lse
@@ -70,7 +72,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 entropy[s : s + chunk_size] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
             lse_all[s : s + chunk_size] = lse
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
-        ctx.temperature, ctx.chunk_size, ctx.has_bias, ctx.compute = temperature, chunk_size, bias is not None, compute
+        ctx.temperature, ctx.chunk_size, ctx.has_bias, ctx.compute, ctx.softcap = temperature, chunk_size, bias is not None, compute, softcap
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -85,11 +87,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], c):
             h = h_c[s : s + c]
-            logits = _chunk_logits(h, w_c, b_c, tau)  # [c, V]
+            logits, dcap = _chunk_logits(h, w_c, b_c, tau, ctx.softcap)  # [c, V]
             # d logp / d logits = onehot(target) - softmax; scaled by the incoming grad and 1/tau
             g = -torch.exp(logits - lse_all[s : s + c, None])
             g.scatter_add_(1, targets[s : s + c, None], torch.ones_like(g[:, :1]))
             g.mul_(grad_logps[s : s + c, None].float() / tau)
+            if dcap is not None:  # through the soft-cap to the linear map's output
+                g.mul_(dcap)
             if grad_h is not None:
                 grad_h[s : s + c] = (g.to(w_c.dtype) @ w_c).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
@@ -98,7 +102,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 grad_b += g.sum(0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _cast(compute: torch.dtype | None, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -108,14 +112,20 @@ def _cast(compute: torch.dtype | None, hidden: torch.Tensor, weight: torch.Tenso
     return hidden.to(compute), weight.to(compute), bias.to(compute) if bias is not None else None
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float) -> torch.Tensor:
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk's float32 logits / tau, and with a soft-cap the derivative of the cap (else None)."""
     if h.dtype == weight.dtype == torch.float32:
         logits = onednn.linear(h, weight, bias)  # [c, V]; oneDNN on CPU
     else:
         logits = (h @ weight.t()).float()  # [c, V]
         if bias is not None:
             logits = logits + bias.float()
-    return logits / tau if tau != 1.0 else logits
+    dcap = None
+    if softcap:
+        t = torch.tanh(logits / softcap)  # [c, V]
+        logits, dcap = t * softcap, 1 - t * t
+    return (logits / tau if tau != 1.0 else logits), dcap
 
 
 def model_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -193,7 +203,8 @@ def _token_logprobs(
     # entropy is a training metric: passes without gradients (pi_old, the reference) skip it and get zeros
     dev = h.device.type  # under autocast the output layer's products take its dtype too
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled(), compute)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)  # Gemma 2
+    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled(), compute, softcap)
     full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
     entropy[:, 1:][pred_mask] = ent

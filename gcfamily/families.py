@@ -28,9 +28,10 @@ PACKED_FAMILIES = frozenset({
 past their windows; any other family, or a layer type other than these two (Llama 4's chunked attention, linear
 attention, state-space layers), runs the plain padded pass, which lets the model build its own masks."""
 
-_HEAD_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
+_HEAD_TRANSFORMS = {"logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
 """Config fields (and their no-op value) of output layers that change the logits after the linear map:
-the engine's chunked log-softmax applies the linear map only, so any other value cannot be exact."""
+the engine's chunked log-softmax applies the linear map and Gemma 2's final_logit_softcapping (and its
+derivative) only, so any other value cannot be exact."""
 
 
 @dataclass(frozen=True)

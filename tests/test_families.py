@@ -35,6 +35,9 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_hidden_layers=2, sliding_window=W), {SL}),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
                dict(num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=None), {SL}),
+    # as shipped, the logits soft-capped too (a cap of 0.5 so that it bends a random tiny model's logits; Gemma 2 uses 30)
+    "gemma2-final-softcap": ("Gemma2ForCausalLM", "Gemma2Config",
+                             dict(num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=0.5), {SL}),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
                dict(num_hidden_layers=3, head_dim=8, sliding_window=W, layer_types=[SL, SL, FU]), {SL}),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_hidden_layers=2, sliding_window=W), {SL}),
@@ -46,7 +49,6 @@ FAMILIES = {
 
 
 REFUSED = {  # name: (causal LM class, config class, config fields, what the one sentence names)
-    "gemma2-final-softcap": ("Gemma2ForCausalLM", "Gemma2Config", dict(num_hidden_layers=2, head_dim=8), "final_logit_softcapping=30.0"),
     "gemma3-bidirectional": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(num_hidden_layers=2, head_dim=8, use_bidirectional_attention=True),
                              "bidirectionally"),
     "cohere-logit-scale": ("CohereForCausalLM", "CohereConfig", dict(num_hidden_layers=2), "logit_scale=0.0625"),
@@ -211,10 +213,10 @@ def test_a_model_no_pass_can_make_exact_is_refused_in_one_sentence(name):
 
 def test_the_engine_refuses_a_model_that_skipped_prepare():
     """A model built by hand reaches the engine without `prepare`: the log-prob path refuses it itself."""
-    cls, cfg_cls, fields, _ = REFUSED["gemma2-final-softcap"]
+    cls, cfg_cls, fields, _ = REFUSED["cohere-logit-scale"]
     model = getattr(tf, cls)(getattr(tf, cfg_cls)(**{**SMALL, **fields}))
     batch = distinct_batch(torch.Generator().manual_seed(3))
-    with pytest.raises(GcfError, match="final_logit_softcapping=30.0"):
+    with pytest.raises(GcfError, match="logit_scale=0.0625"):
         engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
 
 
@@ -229,16 +231,16 @@ def test_attention_softcapping_runs_eager():
 
 
 def test_load_model_prepares_and_refuses(tmp_path):
-    """`models.load_model` runs `families.prepare` on a checkpoint folder: Gemma 2 as shipped (final soft-cap 30) is
-    refused in one sentence, without it the model loads."""
+    """`models.load_model` runs `families.prepare` on a checkpoint folder: a family that cannot be exact (Cohere's
+    logit scale) is refused in one sentence; Gemma 2 as shipped (final soft-cap 30) loads, with eager attention."""
     from gcfamily.models import load_model
 
-    cls, cfg_cls, fields, _ = REFUSED["gemma2-final-softcap"]
-    for name, final in (("shipped", 30.0), ("uncapped", None)):
-        config = getattr(tf, cfg_cls)(**{**SMALL, **fields, "final_logit_softcapping": final})
-        getattr(tf, cls)(config).save_pretrained(tmp_path / name)
+    for name in ("cohere-logit-scale", "gemma2-shipped"):
+        cls, cfg_cls, fields, _ = REFUSED[name] if name in REFUSED else ("Gemma2ForCausalLM", "Gemma2Config", dict(num_hidden_layers=2, head_dim=8), None)
+        getattr(tf, cls)(getattr(tf, cfg_cls)(**{**SMALL, **fields})).save_pretrained(tmp_path / name)
         tokenizer().save_pretrained(tmp_path / name)
-    with pytest.raises(GcfError, match="final_logit_softcapping=30.0"):
-        load_model(str(tmp_path / "shipped"))
-    model, _ = load_model(str(tmp_path / "uncapped"))
+    with pytest.raises(GcfError, match="logit_scale=0.0625"):
+        load_model(str(tmp_path / "cohere-logit-scale"))
+    model, _ = load_model(str(tmp_path / "gemma2-shipped"))
     assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == "eager"
+    assert model.config.final_logit_softcapping == 30.0
