@@ -92,7 +92,7 @@ def test_binary_questions_reach_the_predicted_stationary_policy(G, beta):
     for q, p_ref in enumerate(BINARY.pi_ref[:, 0]):
         want = closed(p_ref, beta) if closed else predictions.binary_stationary_finite(p_ref, beta, G)
         assert abs(res.pi[q, 0] - want) < 1e-3, (q, res.pi[q, 0], want)
-    assert np.abs(res.pi - predicted_policy(BINARY, "grpo", G, beta)).max() < 1e-3
+    assert np.abs(res.pi - predicted_policy(BINARY, "grpo", G, beta, "population")).max() < 1e-3
 
 
 def test_sample_std_is_the_population_model_with_a_larger_beta():
@@ -105,7 +105,7 @@ def test_sample_std_is_the_population_model_with_a_larger_beta():
 @pytest.mark.parametrize("problem", [K4, K4_BERNOULLI], ids=["deterministic", "bernoulli"])
 def test_four_outputs_reach_the_predicted_stationary_policy(problem):
     res = train_bandit(problem, bandit_config("grpo", 4, 0.5, "population"), exact=True)
-    want = predicted_policy(problem, "grpo", 4, 0.5)
+    want = predicted_policy(problem, "grpo", 4, 0.5, "population")
     assert np.abs(res.pi - want).max() < 1e-3
     assert np.abs(want - problem.pi_ref).max() > 0.1  # the case is not trivial
 
@@ -146,7 +146,7 @@ def test_gcf_theory_prints_the_table_and_writes_the_plot(gcf, tmp_path):
     assert sum(line.startswith("q") for line in lines) == 10  # 5 questions x 2 outputs
     largest = next(line for line in lines if line.startswith("largest difference:"))
     assert float(largest.split()[2]) < 1e-3
-    assert (tmp_path / "theory-grpo-G4-beta0.2-population.png").stat().st_size > 10_000
+    assert (tmp_path / "theory-grpo-G4-beta0.2-sample.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("args, message", [

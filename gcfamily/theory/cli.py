@@ -33,11 +33,14 @@ def _floats(text: str, name: str) -> list[float]:
               help="The prediction variant; picks its method when --method is not given.")
 @click.option("--group-size", "-G", "G", type=int, default=4, show_default=True, help="Group size G.")
 @click.option("--beta", type=float, default=0.2, show_default=True, help="KL weight.")
-@click.option("--std", type=click.Choice(["population", "sample"]), default="population", show_default=True,
-              help="Group std of the advantage (population is the paper's).")
+@click.option("--std", type=click.Choice(["population", "sample"]), default="sample", show_default=True,
+              help="Group std of the advantage: sample is GRPO's default, population the paper's (the sample std is the "
+                   "paper's model at beta * sqrt(G/(G-1))); trained and predicted policies use the same one.")
 @click.option("--exact/--sampled", default=True, show_default=True, help="Exact expected gradients, or sampled groups.")
-@click.option("--steps", type=int, default=None, help="Most steps (exact: stops when converged).  [default: 3000 exact, 1000 sampled]")
-@click.option("--lr", type=float, default=None, help="SGD step per prompt.  [default: 1/beta exact, 0.1/beta sampled]")
+@click.option("--steps", type=int, default=1000, show_default=True, help="Most steps (exact: stops when converged).")
+@click.option("--lr", type=float, default=None,
+              help="Exact: a fixed natural-gradient step size (default: adapted to the curvature each step). "
+                   "Sampled: the SGD step per prompt (default: 0.1/beta).")
 @click.option("--groups", type=int, default=64, show_default=True, help="Sampled groups per prompt per step.")
 @click.option("--p-ref", "p_ref", default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="pi_ref(correct answer), one question each.")
 @click.option("--rewards", default="1,0", show_default=True, help="Rewards of the correct and the wrong answer.")
@@ -45,7 +48,7 @@ def _floats(text: str, name: str) -> list[float]:
 @click.option("--plot-betas", default="0.1,0.5,1.0", show_default=True, help="More beta panels for the plot (--beta is always one).")
 @click.option("--out", "out_dir", default="runs/theory", show_default=True, help="Folder for the PNG.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, std: str, exact: bool, steps: Optional[int],
+def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, std: str, exact: bool, steps: int,
            lr: Optional[float], groups: int, p_ref: str, rewards: str, bernoulli: bool, plot_betas: str, out_dir: str,
            seed: int) -> None:
     """Train bandit policies with a method and compare them with the predicted stationary policies."""
@@ -62,14 +65,13 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
         raise GcfError(f"--rewards needs two values, for the correct and the wrong answer (got {rewards!r}).")
     if r[0] <= r[1]:
         raise GcfError(f"--rewards: the correct answer must have the larger reward (got {rewards!r}).")
-    if groups < 1 or (steps is not None and steps < 1):
+    if groups < 1 or steps < 1:
         raise GcfError("--groups and --steps must be >= 1.")
     problem = BanditProblem.binary(_floats(p_ref, "p-ref"), r, bernoulli)
     betas = sorted({beta, *_floats(plot_betas, "plot-betas")})
     cfg = bandit_config(method, G, beta, std)  # checks G, beta and std before any work
     if any(b <= 0 for b in betas):
         raise GcfError(f"--plot-betas must all be > 0 (got {plot_betas!r}).")
-    steps = steps or (3000 if exact else 1000)
     mode = "exact expected gradients" if exact else f"{groups} sampled groups per prompt per step"
     click.echo(f"{method} (prediction: {pred.variant}, std {std}), G={G}, {mode}, rewards a={r[0]:g} b={r[1]:g}"
                f"{' (Bernoulli)' if bernoulli else ''}")
@@ -84,7 +86,7 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     want = predicted_policy(problem, method, G, beta, std)
     got = trained[beta]
     status = (f"converged: max |expected gradient / pi| {main_res.residual:.1e}" if main_res.steps < steps else
-              f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps or lower --lr)"
+              f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps; with --lr, lower it)"
               ) if exact else "policy averaged over the second half"
     click.echo(f"beta={beta:g}: {main_res.steps} steps, {status}\n")
     click.echo(f"{'prompt':<7}{'output':<8}{'pi_ref':>8}{'trained':>11}{'predicted':>11}{'difference':>12}")

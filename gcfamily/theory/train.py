@@ -59,7 +59,7 @@ class BanditRunner:
         return load_reference(self.policy)
 
 
-DEFAULT_STD: str = Config.std  # GRPO's own default (the sample std); trained and predicted policies use it alike
+DEFAULT_STD = "sample"  # GRPO's default std setting; trained and predicted policies use the same one
 
 
 def bandit_config(method: str, G: int, beta: float, std: str = DEFAULT_STD, **settings: Any) -> Config:
