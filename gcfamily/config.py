@@ -1,7 +1,13 @@
 """Settings: typed defaults, then a YAML recipe, then command-line overrides (in that order).
 
-One flat dataclass so that every field can be set the same way from YAML or `--set key=value`;
-each field's docstring is the documentation `gcf run --help-settings` prints.
+Two kinds, set the same way (`key: value` in YAML, `--set key=value`):
+
+- shared settings, the fields of `Config`: what to run, the step, the optimizer, sampling, logging;
+- a method's own settings, a small dataclass on the method class (`GRPO.Settings`: the clip range,
+  the KL weight and estimator, ...), which a subclass extends without touching this file.
+
+A key is looked up in the shared settings, then in the method's; an unknown key is one sentence
+naming both. Each field's docstring is what `gcf settings --method M` prints.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import yaml
 from gcfamily.errors import GcfError
 
 
-@dataclass
+@dataclass(init=False)
 class Config:
+    """The shared settings, plus the run's method settings (`settings`, once the method is known)."""
+
     # --- what to run
     method: str = "sft"
     """Method name (see `gcf methods`)."""
@@ -113,48 +121,6 @@ class Config:
     """Reward: a built-in name or module:function; None takes the task's reward."""
     reward_model: Optional[str] = None
     """Folder of a trained reward model to score completions with."""
-    reward_threshold: float = 0.5
-    """Rejection sampling keeps completions whose reward is at least this."""
-
-    # --- policy-gradient rules
-    beta: float = 0.04
-    """KL weight (GRPO, PPO) or DPO's beta."""
-    epsilon: float = 0.2
-    """Clip range of the ratio (lower side for asymmetric clipping)."""
-    epsilon_high: Optional[float] = None
-    """Upper clip range (DAPO clip-higher); None means symmetric."""
-    mu: int = 1
-    """Inner epochs over each batch of rollouts (pi_old is only computed when mu > 1)."""
-    num_minibatches: int = 1
-    """Optimizer steps per inner epoch (the batch is split into this many minibatches)."""
-    ref_refresh_every: int = 0
-    """Copy the policy into the reference every this many steps (0 = never)."""
-    zero_std: str = "keep"
-    """Groups whose rewards are all equal: keep their tokens in the normaliser, or exclude them."""
-    std: str = "sample"
-    """Group std for GRPO advantages: sample (torch default, 1/(G-1)) or population (1/G)."""
-
-    # --- preference methods
-    label_smoothing: float = 0.0
-    """Conservative DPO's label noise."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin."""
-
-    # --- PPO
-    gamma: float = 1.0
-    """Discount of GAE."""
-    lam: float = 0.95
-    """lambda of GAE."""
-    vf_coef: float = 0.5
-    """Weight of the critic's loss."""
-    value_clip: float = 0.2
-    """Clip range of the value loss."""
-    critic_lr: float = 1e-5
-    """Learning rate of the critic."""
-    kl_in_reward: bool = False
-    """PPO: put -beta * log(pi/pi_ref) in each token's reward instead of a KL term in the loss."""
-    critic_model: Optional[str] = None
-    """PPO: model of the critic (alias or folder, same tokenizer as the policy); None copies the policy's backbone."""
 
     # --- logging, evaluation and checkpoints
     log_every: int = 1
@@ -196,76 +162,161 @@ class Config:
 
     explicit: list = field(default_factory=list)
     """Settings given by a recipe or on the command line (filled in by gcf); a method's own defaults never override them."""
+    method_options: dict = field(default_factory=dict)
+    """Method settings as given, before the method's Settings class types and checks them (internal)."""
+    settings: Any = None
+    """The method's own settings (an instance of its Settings dataclass; internal)."""
+
+    def __init__(self, **values: Any) -> None:
+        """Shared settings by name; any other key is kept for the method's own settings (checked by `settings_for`)."""
+        for f in fields(Config):
+            object.__setattr__(self, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)  # type: ignore[misc]
+        for k, v in values.items():
+            if k == "method_options":
+                self.method_options.update(v)
+            elif k in FIELD_NAMES:
+                object.__setattr__(self, k, v)
+            else:
+                self.method_options[k] = v
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not shared settings: a method setting, once resolved
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in {f.name for f in fields(settings)}:
+            return getattr(settings, name)
+        if name in self.__dict__.get("method_options", {}):
+            return self.__dict__["method_options"][name]
+        raise AttributeError(f"Config has no setting {name!r} (method settings are known once the method resolved them)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        settings = self.__dict__.get("settings")
+        if name not in FIELD_NAMES and settings is not None and name in {f.name for f in fields(settings)}:
+            setattr(settings, name, value)
+        elif name not in FIELD_NAMES and not name.startswith("_"):
+            raise AttributeError(f"Config has no setting {name!r}")
+        else:
+            object.__setattr__(self, name, value)
+
+
+@dataclass
+class MethodSettings:
+    """Base of a method's own settings: subclass it as `Settings` on the method class, a docstring per field."""
 
 
 FIELDS = {f.name: f for f in fields(Config)}
+FIELD_NAMES = frozenset(FIELDS)
+INTERNAL = ("explicit", "method_options", "settings")
 
 
-def field_docs() -> dict[str, str]:
-    """Field name -> its docstring, read from this file's source."""
+def field_docs(cls: type = Config) -> dict[str, str]:
+    """Field name -> its docstring, read from the source of `cls` and of its dataclass bases."""
     import ast
     import inspect
+    import textwrap
 
-    src = inspect.getsource(Config)
-    tree = ast.parse(src).body[0]
-    docs, last = {}, None
-    for node in tree.body:  # type: ignore[attr-defined]
-        if isinstance(node, ast.AnnAssign):
-            last = node.target.id  # type: ignore[union-attr]
-        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
-            docs[last] = str(node.value.value)
-            last = None
-    return docs
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(src).body[0]
+        last = None
+        for node in tree.body:  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign):
+                last = node.target.id  # type: ignore[union-attr]
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+                docs[last] = " ".join(str(node.value.value).split())
+                last = None
+    return {k: v for k, v in docs.items() if k not in INTERNAL}
 
 
-def _coerce(name: str, value: Any) -> Any:
+def _coerce(f: dataclasses.Field, value: Any, owner: str = "Setting") -> Any:
     """Turn a YAML or command-line value into the field's type; a clear error otherwise."""
-    default = FIELDS[name].default if FIELDS[name].default is not dataclasses.MISSING else FIELDS[name].default_factory()  # type: ignore[misc]
-    if isinstance(value, str) and not isinstance(default, str):
-        if value.lower() in ("none", "null") and (default is None or FIELDS[name].type.startswith("Optional")):
+    name = f.name
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    typ = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", None) or str(f.type)).replace("typing.", "")
+    optional = default is None or typ.startswith("Optional")
+    base = typ.removeprefix("Optional[").removesuffix("]") if optional else typ
+    if isinstance(value, str) and base != "str":
+        if value.lower() in ("none", "null") and optional:
             return None
         try:
             value = yaml.safe_load(value)  # numbers, booleans, lists, dicts; never code
         except yaml.YAMLError as e:
-            raise GcfError(f"Setting {name}={value!r} is not a valid value.") from e
-    if default is None or value is None:
-        return value
+            raise GcfError(f"{owner} {name}={value!r} is not a valid value.") from e
+    if value is None and optional:
+        return None
     try:
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        if isinstance(default, int):
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+        elif base == "int":
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif base == "float":
+            if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+                value = float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        elif base == "tuple":
+            if isinstance(value, (list, tuple)):
+                return tuple(value)
+        elif base in ("list", "dict"):
+            if isinstance(value, list if base == "list" else dict):
+                return value
+        elif base == "str":
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+        else:
             return value
-        if isinstance(default, float):
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if isinstance(default, tuple):
-            return tuple(value)
-        if isinstance(default, (list, dict)):
-            if not isinstance(value, type(default)):
-                raise ValueError
-            return value
-        if isinstance(default, str):
-            return str(value)
     except (TypeError, ValueError):
         pass
-    raise GcfError(f"Setting {name}={value!r} has the wrong type; expected {type(default).__name__}.")
+    raise GcfError(f"{owner} {name}={value!r} has the wrong type; expected {base}{' or none' if optional else ''}.")
+
+
+def settings_for(method_cls: Any, cfg: Config) -> Any:
+    """The method's Settings instance from cfg.method_options; an unknown key names both kinds of setting."""
+    cls = getattr(method_cls, "Settings", MethodSettings)
+    own = {f.name: f for f in fields(cls)}
+    values = {}
+    for k, v in cfg.method_options.items():
+        if k not in own:
+            known = ", ".join(sorted(own)) or "none"
+            raise GcfError(f"Unknown setting '{k}' for method {cfg.method}; its own settings are: {known}; "
+                           f"the shared ones are listed by `gcf settings`.")
+        values[k] = _coerce(own[k], v)
+    return cls(**values)
+
+
+def resolve_settings(cfg: Config, method_cls: Any = None) -> Config:
+    """Attach the method's settings to cfg (looking the method up by name unless given); returns cfg."""
+    if method_cls is None:
+        from gcfamily.methods import get_method
+
+        method_cls = get_method(cfg.method)
+    if not isinstance(cfg.settings, getattr(method_cls, "Settings", MethodSettings)):
+        object.__setattr__(cfg, "settings", settings_for(method_cls, cfg))
+    return cfg
 
 
 def apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
-    """Return cfg with values applied; unknown keys are a clear error naming the source."""
+    """Return a copy of cfg with values applied: shared keys typed now, the rest kept for the method."""
+    out = Config(**{f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in ("settings", "method_options")},
+                 method_options=dict(cfg.method_options))
     for k, v in values.items():
         key = k.replace("-", "_")
-        if key not in FIELDS:
+        if key in INTERNAL:
             raise GcfError(f"Unknown setting '{k}' in {source}; see `gcf settings` for the list.")
-        cfg = dataclasses.replace(cfg, **{key: _coerce(key, v)})
-    return cfg
+        if key in FIELD_NAMES:
+            object.__setattr__(out, key, _coerce(FIELDS[key], v))
+        else:
+            out.method_options[key] = v
+    return out
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -294,14 +345,15 @@ def parse_sets(items: tuple[str, ...]) -> dict[str, str]:
 
 
 def resolve(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
-    """Defaults, then the YAML recipe, then command-line values."""
+    """Defaults, then the YAML recipe, then command-line values; method settings typed by the method's class."""
     cfg = Config()
     given: dict[str, Any] = {}
     if config_path:
         given = load_yaml(config_path)
         cfg = apply(cfg, given, config_path)
     cfg = apply(cfg, overrides, "the command line")
-    return dataclasses.replace(cfg, explicit=sorted({k.replace("-", "_") for k in [*given, *overrides]}))
+    object.__setattr__(cfg, "explicit", sorted({k.replace("-", "_") for k in [*given, *overrides]}))
+    return resolve_settings(cfg)
 
 
 def validate(cfg: Config) -> None:
@@ -316,17 +368,10 @@ def validate(cfg: Config) -> None:
         (cfg.chunk_size >= 1, "chunk_size must be >= 1"),
         (cfg.max_length >= 2, "max_length must be >= 2"),
         (cfg.grad_clip >= 0, "grad_clip must be >= 0"),
-        (cfg.beta >= 0, "beta must be >= 0"),
-        (cfg.epsilon > 0, "epsilon must be > 0"),
-        (cfg.epsilon_high is None or cfg.epsilon_high > 0, "epsilon_high must be > 0"),
         (cfg.temperature > 0, "temperature must be > 0"),
         (0 < cfg.top_p <= 1, "top_p must be in (0, 1]"),
         (cfg.top_k >= 0, "top_k must be >= 0"),
         (cfg.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-        (cfg.mu >= 1, "mu (inner epochs) must be >= 1"),
-        (cfg.num_minibatches >= 1, "num_minibatches must be >= 1"),
-        (cfg.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"),
-        (cfg.std in ("sample", "population"), "std must be sample or population"),
         (cfg.long_prompts in ("skip", "error"), "long_prompts must be skip or error"),
         (cfg.strategy in ("ddp", "fsdp2"), "strategy must be ddp or fsdp2"),
         (cfg.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule must be constant, linear or cosine"),
@@ -343,8 +388,11 @@ def validate(cfg: Config) -> None:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """JSON-ready dict of the resolved settings (saved with every run)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+    """JSON-ready dict of the resolved settings, shared and the method's, flat (saved with every run)."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in INTERNAL}
+    out.update(dataclasses.asdict(cfg.settings) if cfg.settings is not None else cfg.method_options)
+    out["explicit"] = list(cfg.explicit)
+    return json.loads(json.dumps(out, default=list))
 
 
 def env_flag(name: str) -> bool:

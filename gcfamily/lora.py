@@ -44,7 +44,7 @@ def validate(cfg: Any, method_cls: Any) -> None:
         (0 <= cfg.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
         (method_cls.trains_policy, f"{method_cls.name} trains a model of its own, not the policy; LoRA applies to policy training only"),
         (cfg.strategy != "fsdp2", "LoRA under FSDP2 is not supported yet; use --strategy ddp (the frozen base is replicated, the adapters are small)"),
-        (not cfg.ref_refresh_every, "with LoRA the reference is the base model with the adapters off, which cannot be refreshed; leave ref_refresh_every at 0"),
+        (not getattr(cfg.settings, "ref_refresh_every", 0), "with LoRA the reference is the base model with the adapters off, which cannot be refreshed; leave ref_refresh_every at 0"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -105,6 +105,10 @@ class AdapterOffReference:
 
     def get_output_embeddings(self) -> nn.Module:
         return self.peft_model.get_output_embeddings()
+
+    @property
+    def config(self) -> Any:
+        return self.peft_model.config
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.peft_model.parameters()

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from gcfamily import checkpoint, distributed, engine, lora, precision
-from gcfamily.config import Config, to_dict, validate
+from gcfamily.config import Config, resolve_settings, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.logger import RunLogger
@@ -55,6 +55,7 @@ class Trainer:
         validate(cfg)
         self.cfg = cfg
         self.method_cls = get_method(cfg.method)
+        resolve_settings(cfg, self.method_cls)  # the method's own settings, typed; an unknown key is one sentence
         self.method_cls.apply_setting_defaults(cfg)
         self.method_cls.validate(cfg)
         lora.validate(cfg, self.method_cls)

@@ -22,7 +22,11 @@ def _one_clear_line(code, out, err):
     [
         (["--method", "grpo", "--set", "group_size=1"], "group_size"),
         (["--method", "grpo", "--set", "beta=-0.1"], "beta must be >= 0"),
-        (["--method", "grpo", "--set", "epsilon=0"], "epsilon must be > 0"),
+        (["--method", "grpo", "--set", "epsilon=0"], "epsilon must be in (0, 1)"),
+        (["--method", "grpo", "--set", "epsilon=1.5"], "epsilon must be in (0, 1)"),
+        (["--method", "sft", "--set", "beta=0.1"], "Unknown setting 'beta' for method sft"),
+        (["--method", "grpo", "--set", "epsilon_high=abc"], "epsilon_high='abc' has the wrong type"),
+        (["--method", "grpo", "--set", "dataset=123"], "Dataset 123"),
         (["--method", "dpo", "--set", "lr=-1"], "lr (learning rate) must be > 0"),
         (["--method", "grpo", "--reward", "no_such_module_xyz:fn"], "no_such_module_xyz"),
         (["--method", "grpo", "--reward", "gcfamily.rewards:no_such_fn"], "no_such_fn"),

@@ -18,11 +18,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pytest
+import dataclasses
+
 import torch
 from torch import nn
 
 from gcfamily import engine
-from gcfamily.config import Config
+from gcfamily.config import FIELDS, Config
 from gcfamily.methods import METHODS, get_method
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.sft import SFT
@@ -82,6 +84,9 @@ class _StubTrainer:
     def unwrapped_policy(self) -> nn.Module:
         return self.policy
 
+    def reference(self) -> nn.Module:
+        return nn.Linear(1, 1)  # any other model: logprobs gives it pi_ref's noise
+
     def logprobs(self, model: nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         noise = 0.3 if model is self.policy else 0.8
         lp = self.logps_fn(batch) + noise * torch.randn(batch["input_ids"].shape, generator=self.gen, dtype=torch.float64)
@@ -136,7 +141,9 @@ BUILDERS: dict[str, tuple[Callable, list[dict]]] = {
 
 
 def _make(cls: type[Method], settings: dict) -> Method:
-    cfg = Config(method=cls.name, **settings)
+    """The method with the family's settings that are its own or shared (a family's list spans its members' settings)."""
+    own = {f.name for f in dataclasses.fields(cls.Settings)}
+    cfg = Config(method=cls.name, **{k: v for k, v in settings.items() if k in own or k in FIELDS})
     cls.validate(cfg)
     return cls(cfg)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 
-from gcfamily.config import Config
+from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.data import epoch_indices
 from gcfamily.engine import token_weights
 
@@ -43,8 +43,13 @@ class Method:
     """False for a method that trains only a model of its own (the reward model): the trainer then
     runs no policy log-probs or backward, only `auxiliary_step`, and saves via `save_final`."""
 
+    Settings = MethodSettings
+    """This method's own settings: a dataclass with a docstring per field. A subclass extends its parent's
+    (`class Settings(GRPO.Settings): decay: float = 0.9`); `--set decay=0.5` then reaches it."""
+
     def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+        self.cfg = resolve_settings(cfg, type(self))
+        self.settings = cfg.settings
         self.norm = cfg.loss_norm or self.default_norm
         self.trainer: Trainer | None = None
 
@@ -63,7 +68,8 @@ class Method:
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        """Check this method's settings; raise GcfError with one clear sentence."""
+        """Check this method's settings (shared and its own, `cfg.settings`); raise GcfError with one clear sentence."""
+        resolve_settings(cfg, cls)
 
     def setup(self, trainer: "Trainer") -> None:
         """Called once with the trainer (policy, tokenizer, engine, task are ready)."""

@@ -19,10 +19,12 @@ changes both the reward and the margin, overrides the two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from gcfamily.config import Config
+from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.data import check_preference_row, collate, default_pad_id, epoch_indices, load_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, iter_chunks
@@ -35,7 +37,6 @@ class DPO(Method):
     GC = +beta * sigmoid(h_l - h_w) on o_w's tokens and the negative on o_l's (derivation in the module docstring).
     """
 
-    setting_defaults = {"beta": 0.1}  # the shared beta default (0.04) is GRPO's KL weight
     name = "dpo"
     data_source = "preference pairs (prompt, chosen, rejected); offline: the task's answer vs a wrong one"
     gc_formula = "+beta*sigmoid(h_l - h_w) on chosen tokens, the negative on rejected; h = beta*sum_t log(pi/pi_ref)"
@@ -44,8 +45,14 @@ class DPO(Method):
     uses_reference = True
     """Whether h needs pi_ref log-probs (computed once per pair in `setup`)."""
 
+    @dataclass
+    class Settings(MethodSettings):
+        beta: float = 0.1
+        """DPO's temperature: the implicit reward is beta * sum_t log(pi/pi_ref) (not a KL weight; smaller keeps closer to pi_ref)."""
+
     @classmethod
     def validate(cls, cfg: Config) -> None:
+        resolve_settings(cfg, cls)
         if cfg.beta <= 0:
             raise GcfError(f"{cfg.method} needs beta > 0 (got {cfg.beta}); 0.1 is usual for DPO.")
         if cfg.loss_norm not in (None, "sum"):
@@ -167,8 +174,13 @@ class ConservativeDPO(DPO):
     where sigmoid(m) = 1 - eps, so the margin stops growing there.
     """
 
-    setting_defaults = {"beta": 0.1, "label_smoothing": 0.1}  # the shared beta default (0.04) is GRPO's KL weight
     name = "cdpo"
+
+    @dataclass
+    class Settings(DPO.Settings):
+        label_smoothing: float = 0.1
+        """Probability that a pair's label is flipped (cDPO's eps), in [0, 0.5)."""
+
     gc_formula = "+beta*((1-eps)*sigmoid(h_l - h_w) - eps*sigmoid(h_w - h_l)) on chosen tokens, the negative on rejected"
 
     @classmethod
@@ -193,8 +205,15 @@ class SimPO(DPO):
     model is loaded or run.
     """
 
-    setting_defaults = {"beta": 2.0}  # the shared beta default (0.04) is GRPO's KL weight
     name = "simpo"
+
+    @dataclass
+    class Settings(DPO.Settings):
+        beta: float = 2.0
+        """SimPO's reward scale: h = (beta / |o|) sum_t log pi (no reference)."""
+        simpo_gamma: float = 0.5
+        """SimPO's target reward margin gamma (TRL's CPO simpo_gamma is gamma / beta)."""
+
     gc_formula = "+(beta/|o_w|)*sigmoid(gamma - h_w + h_l) on chosen tokens, -(beta/|o_l|)*the same on rejected; h = (beta/|o|)*sum_t log pi"
     uses_reference = False
 

@@ -18,6 +18,7 @@ over the samples of the step), the chapter's 1/G sum_i 1/|o_i| sum_t.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,10 +39,24 @@ class GRPO(ClippedOnPolicy):
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = (R_i - mean R) / std R over the group"
     default_norm = "sequence"
 
+    @dataclass
+    class Settings(ClippedOnPolicy.Settings):
+        ref_refresh_every: int = 0
+        """Copy the policy into the reference every this many steps (0 = never)."""
+        zero_std: str = "keep"
+        """Groups whose rewards are all equal (advantage 0): keep their tokens in the normaliser, or exclude them."""
+        std: str = "sample"
+        """Group std of the advantages: sample (torch's default, 1/(G-1)) or population (1/G)."""
+
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
+        s = cfg.settings
+        for ok, msg in [(s.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"), (s.ref_refresh_every >= 0, "ref_refresh_every must be >= 0"),
+                        (s.std in ("sample", "population"), "std must be sample or population")]:
+            if not ok:
+                raise GcfError(f"Invalid setting: {msg}.")
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a group-relative advantage compares each sample with the others of its group.")
 

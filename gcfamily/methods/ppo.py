@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -158,13 +159,30 @@ class PPO(ClippedOnPolicy):
     whiten_advantages: ClassVar[bool] = True
     """Whiten the GAE advantages over the step's valid tokens (a subclass may switch it off)."""
 
+    @dataclass
+    class Settings(ClippedOnPolicy.Settings):
+        gamma: float = 1.0
+        """Discount of GAE."""
+        lam: float = 0.95
+        """lambda of GAE."""
+        vf_coef: float = 0.5
+        """Weight of the critic's loss."""
+        value_clip: float = 0.2
+        """Clip range of the value loss (0 turns the value clip off)."""
+        critic_lr: float = 1e-5
+        """Learning rate of the critic."""
+        kl_in_reward: bool = False
+        """Put -beta * log(pi/pi_ref) in each token's reward instead of a KL term in the loss."""
+        critic_model: Optional[str] = None
+        """Model of the critic (alias or folder, same tokenizer as the policy); none: the policy's backbone (with LoRA, adapters
+        of its own over the policy's frozen base)."""
+
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
         for ok, msg in [(0 <= cfg.gamma <= 1, "gamma must be in [0, 1]"), (0 <= cfg.lam <= 1, "lam must be in [0, 1]"),
                         (cfg.vf_coef > 0, "vf_coef must be > 0"), (cfg.critic_lr > 0, "critic_lr must be > 0"),
-                        (cfg.value_clip >= 0, "value_clip must be >= 0 (0 turns the value clip off)"),
-                        (not cfg.ref_refresh_every, "ppo does not refresh its reference; leave ref_refresh_every at 0")]:
+                        (cfg.value_clip >= 0, "value_clip must be >= 0 (0 turns the value clip off)")]:
             if not ok:
                 raise GcfError(f"Invalid setting: {msg}.")
 

@@ -12,8 +12,11 @@ that keeps nothing has a zero gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from gcfamily.config import MethodSettings
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import OnPolicy
 
@@ -26,9 +29,14 @@ class RFT(OnPolicy):
     gc_formula = "1[o kept] = 1[reward(o) >= reward_threshold]"
     default_norm = "token"
 
+    @dataclass
+    class Settings(MethodSettings):
+        reward_threshold: float = 0.5
+        """A sample is kept (GC = 1) when its reward is at least this."""
+
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        kept = batch["valid"].bool() & (batch["rewards"] >= self.cfg.reward_threshold)  # [N]
+        kept = batch["valid"].bool() & (batch["rewards"] >= self.settings.reward_threshold)  # [N]
         batch["kept"] = kept
         batch["valid"] = kept
         batch["stat/rft/kept_frac"] = float(kept.float().mean())
