@@ -230,6 +230,8 @@ def generate(
     trimmed to the longest completion; masks are long, `sample_logps` float32.
     """
     _check(settings)
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        model = model.get_base_model()  # LoRA: the same function (adapters in place) without peft's wrapper forward
     if not prompt_ids or not all(prompt_ids):
         raise GcfError("every prompt needs at least one token; drop empty prompts before sampling.")
     device, G, C = model.device, num_samples, settings.max_new_tokens
