@@ -134,9 +134,14 @@ def ppo_builder(cls: type[Method], settings: dict, logps_fn: Callable, gen: torc
 BUILDERS: dict[str, tuple[Callable, list[dict]]] = {
     "SFT": (sft_builder, [{}, {"loss_norm": "sequence"}]),
     "DPO": (dpo_builder, [{}, {"beta": 0.5, "label_smoothing": 0.1, "simpo_gamma": 1.0}]),
-    "PPO": (ppo_builder, [{"beta": 0.04}, {"mu": 2, "beta": 0.1, "loss_norm": "sequence"}, {"mu": 2, "kl_in_reward": True}]),
+    "PPO": (ppo_builder, [{"beta": 0.04}, {"mu": 2, "beta": 0.1, "loss_norm": "sequence"}, {"mu": 2, "kl_placement": "reward"}]),
     "OnPolicy": (onpolicy_builder, [{"beta": 0.04}, {"mu": 2, "beta": 0.1, "std": "population", "zero_std": "exclude"},
-                                    {"mu": 2, "beta": 0.0, "loss_norm": "token"}]),
+                                    {"mu": 2, "beta": 0.0, "loss_norm": "token"},
+                                    # the KL and normalisation matrix: every estimator, placement, clamp and scale
+                                    {"mu": 2, "beta": 0.1, "kl_estimator": "k1", "scale_rewards": "batch", "std_eps": 1e-4},
+                                    {"mu": 2, "beta": 0.1, "kl_estimator": "k2", "kl_clamp": None, "scale_rewards": "none"},
+                                    {"mu": 2, "beta": 0.1, "kl_estimator": "k3-importance-weighted", "kl_clamp": 0.5},
+                                    {"mu": 2, "beta": 0.1, "kl_placement": "reward", "kl_estimator": "k1"}]),
 }
 
 

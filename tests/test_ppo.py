@@ -59,7 +59,7 @@ def test_gae_by_hand():
 
 
 def test_token_rewards_terminal_and_kl_in_reward_by_hand():
-    m = make(beta=0.1, kl_in_reward=True)
+    m = make(beta=0.1, kl_placement="reward")
     batch = {"loss_mask": torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]), "rewards": torch.tensor([2.0, 5.0]),
              "valid": torch.tensor([True, False]), "ref_logps": torch.tensor([[0, -1.0, -2.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]])}
     old = torch.tensor([[0, -1.5, -1.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]])
@@ -156,7 +156,7 @@ def test_one_pass_has_ratio_one_and_kl_in_reward_has_no_loss_term():
     rho = torch.exp(batch["ref_logps"] - logps)
     assert torch.allclose(m.coefficient(batch, logps), (batch["advantages"] + 0.05 * (rho - 1)) * batch["loss_mask"])
     # kl_in_reward: the KL went into the rewards, so GC = A_t alone
-    m = make(beta=0.05, kl_in_reward=True)
+    m = make(beta=0.05, kl_placement="reward")
     assert torch.allclose(m.coefficient(batch, logps), batch["advantages"] * batch["loss_mask"])
 
 
@@ -267,7 +267,7 @@ PPO_METRICS = ["loss", "grad_norm", "reward/mean", "ppo/clip_frac", "ppo/value_l
                "ppo/critic_memory_mb", "ppo/critic_param_mb", "ppo/critic_optimizer_mb", "ppo/kl", "gc/mean", "entropy"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--set=mu=2", "--set=num_minibatches=2", "--set=kl_in_reward=true", "--set=gamma=0.99"]])
+@pytest.mark.parametrize("extra", [[], ["--set=mu=2", "--set=num_minibatches=2", "--set=kl_placement=reward", "--set=gamma=0.99"]])
 def test_cli_two_steps_log_the_metrics(tmp_path, extra):
     res = _run_cli(tmp_path, *extra)
     assert res.exit_code == 0, res.output

@@ -4,7 +4,7 @@ Objective (DeepSeekMath, Shao et al. 2024, section 4; the chapter's J^GRPO), max
 
     J    = aggregate_t[ min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) - beta * k3_t ]
     r_t  = pi(o_t) / pi_old(o_t)
-    A_i  = (R_i - mean(R)) / std(R) over the G samples of o_i's prompt (0 if the G rewards are equal)
+    A_i  = (R_i - mean(R)) / (std(R) + std_eps) over the G samples of o_i's prompt (0 if the G rewards are equal)
     k3_t = rho - log rho - 1,   rho = pi_ref(o_t) / pi(o_t)
 
 Coefficient, dJ/dlogp_t at the current log-probs (divided by the aggregation weight w_t):
@@ -13,7 +13,10 @@ Coefficient, dJ/dlogp_t at the current log-probs (divided by the aggregation wei
     clipped = (A_i > 0 and r_t > 1 + eps_high) or (A_i < 0 and r_t < 1 - eps)
 
 aggregate is the engine's normalisation: by default "sequence" (1/|o_i| per token, then the mean
-over the samples of the step), the chapter's 1/G sum_i 1/|o_i| sum_t.
+over the samples of the step), the chapter's 1/G sum_i 1/|o_i| sum_t. The clipped surrogate and the
+KL term are methods/clipped.py's; GRPO adds the group-relative advantage, as hooks a variant overrides:
+`group_advantages` (the estimator), `equal_reward_groups` (which groups get no gradient), and the
+settings scale_rewards (group | batch | none), std, std_eps, zero_std.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import torch
 from einops import rearrange, repeat
 
 from gcfamily.config import Config
-from gcfamily.engine import effective_mask
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
-from gcfamily.methods.onpolicy import ClippedOnPolicy, all_equal_groups, masked_group_stats
+from gcfamily.methods.clipped import ClippedOnPolicy
+from gcfamily.methods.onpolicy import all_equal_groups, masked_group_stats
 
 
 class GRPO(ClippedOnPolicy):
@@ -38,6 +41,7 @@ class GRPO(ClippedOnPolicy):
     data_source = "on-policy groups of G outputs per prompt"
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = (R_i - mean R) / std R over the group"
     default_norm = "sequence"
+    metric_prefix = "grpo"
 
     @dataclass
     class Settings(ClippedOnPolicy.Settings):
@@ -46,7 +50,12 @@ class GRPO(ClippedOnPolicy):
         zero_std: str = "keep"
         """Groups whose rewards are all equal (advantage 0): keep their tokens in the normaliser, or exclude them."""
         std: str = "sample"
-        """Group std of the advantages: sample (torch's default, 1/(G-1)) or population (1/G)."""
+        """Std of the advantages' scale: sample (torch's default, 1/(G-1)) or population (1/G)."""
+        scale_rewards: str = "group"
+        """Divide R_i - mean(group) by the group's std (group), by the std of every reward of the step (batch, over all
+        processes), or by nothing (none: Dr. GRPO's and grpo-shift's advantage)."""
+        std_eps: float = 0.0
+        """Added to the std before dividing (TRL adds 1e-4); 0 divides by the std itself."""
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -54,7 +63,9 @@ class GRPO(ClippedOnPolicy):
         super().validate(cfg)
         s = cfg.settings
         for ok, msg in [(s.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"), (s.ref_refresh_every >= 0, "ref_refresh_every must be >= 0"),
-                        (s.std in ("sample", "population"), "std must be sample or population")]:
+                        (s.std in ("sample", "population"), "std must be sample or population"),
+                        (s.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
+                        (s.std_eps >= 0, "std_eps must be >= 0")]:
             if not ok:
                 raise GcfError(f"Invalid setting: {msg}.")
         if cfg.group_size < 2:
@@ -63,96 +74,85 @@ class GRPO(ClippedOnPolicy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         # No reference model at all when its KL term is not in the loss.
-        self.ref = trainer.reference() if self.cfg.beta > 0 else None
+        self.ref = trainer.reference() if self.settings.beta > 0 else None
         self.ref_refreshes = 0
 
-    # -- the rule, as small functions a variant overrides one of ----------------------
+    # -- the advantage, as small functions a variant overrides one of ------------------
     def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """A [n, G] from rewards [n, G]: (R_i - mean) / std over the valid samples of each group."""
-        mean, std, _ = masked_group_stats(rewards, valid, unbiased=self.cfg.std == "sample")
-        equal = all_equal_groups(rewards, valid)[:, None]  # [n, 1] std == 0: advantage 0, no division
-        adv = (rewards.double() - mean[:, None]) / torch.where(equal, 1.0, std[:, None].double())
-        return adv.masked_fill(equal | ~valid, 0.0).float()
+        """A [n, G] from rewards [n, G]: (R_i - mean) / (std + std_eps) over the valid samples of each group."""
+        s = self.settings
+        mean, std, _ = masked_group_stats(rewards, valid, unbiased=s.std == "sample")
+        centred = rewards.double() - mean[:, None]  # [n, G]
+        if s.scale_rewards == "none":
+            return torch.where(valid, centred, 0.0).float()
+        scale = std[:, None] if s.scale_rewards == "group" else self._batch_std(rewards, valid).expand_as(centred)
+        scale = scale + s.std_eps
+        adv = centred / torch.where(scale > 0, scale, 1.0)  # std 0 (all equal): the advantage is 0, no division
+        return torch.where(valid & (scale > 0), adv, 0.0).float()
 
-    # -- prepare, coefficient, objective ---------------------------------------------
+    def _batch_std(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The std of every valid reward of the step, over all processes (scale_rewards=batch), as a [1, 1] tensor."""
+        r, v = rewards.double()[valid], valid.sum().double()
+        env = getattr(self.trainer, "dist", None)
+        total = torch.stack([v, r.sum(), (r * r).sum()])
+        if env is not None:
+            total = env.all_sum(total)
+        n, mean = total[0], total[1] / total[0].clamp(min=1)
+        dof = n - 1 if self.settings.std == "sample" else n
+        var = (total[2] - n * mean * mean) / dof.clamp(min=1)
+        return var.clamp(min=0).sqrt().reshape(1, 1) if dof > 0 else torch.zeros(1, 1, dtype=torch.float64)
+
+    def equal_reward_groups(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[n] bool: groups that get no gradient (advantage 0; with zero_std=exclude, out of the normaliser too):
+        those whose valid rewards are all equal. A variant whose advantage does not vanish there returns none."""
+        return all_equal_groups(rewards, valid)
+
+    def token_advantages(self, batch: Batch) -> torch.Tensor:
+        return batch["advantages"][:, None].float()  # [B, 1]
+
+    # -- prepare ---------------------------------------------------------------------
     def add_advantages(self, batch: Batch) -> Batch:
-        """advantages [N], zero-std groups handled per cfg.zero_std, and their fraction logged."""
+        """advantages [N], equal-reward groups handled per zero_std, and their fraction logged."""
         G = self.cfg.group_size
         rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
+        if "kl_rewards" in batch:  # kl_placement=reward: -beta * sum_t KL_t at pi_old joins each sample's reward
+            rewards = rewards - self.settings.beta * rearrange(batch["kl_rewards"].float(), "(n g) -> n g", g=G)
         valid = rearrange(batch["valid"].bool(), "(n g) -> n g", g=G)  # [n, G]
-        equal = all_equal_groups(rewards, valid)  # [n]
+        equal = self.equal_reward_groups(rewards, valid)  # [n]
         adv = self.group_advantages(rewards, valid).masked_fill(equal[:, None] | ~valid, 0.0)  # [n, G]
         batch["advantages"] = rearrange(adv, "n g -> (n g)")  # [N]
-        if self.cfg.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
+        if self.settings.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
             batch["valid"] = batch["valid"].bool() & ~repeat(equal, "n -> (n g)", g=G)
-        batch["stat/grpo/zero_std_frac"] = float(equal.float().mean())
+        batch[f"stat/{self.metric_prefix}/zero_std_frac"] = float(equal.float().mean())
         return batch
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        batch = self.add_advantages(batch)
-        tr, T = self.trainer, self.logprob_temperature()
+        tr, T, s = self.trainer, self.logprob_temperature(), self.settings
+        in_reward = s.kl_placement == "reward" and self.ref is not None
         # With one pass over one minibatch pi_old == pi at the moment of the step: no forward is
         # spent on it and `coefficient` uses the detached current log-probs (ratio exactly 1).
-        if self.inner_epochs() > 1 or self.num_minibatches() > 1:
-            batch["old_logps"] = tr.logprobs(tr.unwrapped_policy(), batch, T)  # [N, L]
+        several = self.inner_epochs() > 1 or self.num_minibatches() > 1
+        old = tr.logprobs(tr.unwrapped_policy(), batch, T) if several or in_reward else None  # [N, L]
+        if several:
+            batch["old_logps"] = old
         if self.ref is not None:
             batch["ref_logps"] = tr.logprobs(self.ref, batch, T)  # [N, L]
-        return batch
+        if in_reward:
+            kl = self.kl_reward(batch["ref_logps"], old) * batch["loss_mask"]  # [N, L]
+            batch["kl_rewards"] = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
+            batch[f"stat/{self.metric_prefix}/kl_reward_mean"] = float(batch["kl_rewards"].mean())
+        return self.add_advantages(batch)
 
-    def _ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
-        return torch.exp(logps - old)  # [B, L]
-
-    def _kl_log_ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor | None:
-        if self.cfg.beta <= 0 or "ref_logps" not in batch:
-            return None
-        return (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)  # [B, L] log rho
-
-    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        adv = batch["advantages"][:, None].float()  # [B, 1]
-        ratio = self._ratio(batch, logps)  # [B, L]
-        coef = torch.where(self.clipped(ratio, adv) | (adv == 0), 0.0, ratio * adv)  # [B, L]
-        log_rho = self._kl_log_ratio(batch, logps)
-        if log_rho is not None:
-            inside = (batch["ref_logps"] - logps).abs() <= self.kl_clamp  # the clamp's gradient is 0 outside
-            coef = coef + self.cfg.beta * torch.expm1(log_rho) * inside  # beta (rho - 1)
-        return coef * batch["loss_mask"]
-
-    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        adv = batch["advantages"][:, None].float()  # [B, 1]
-        ratio = self._ratio(batch, logps)  # [B, L]
-        lo, hi = self.clip_range()
-        per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
-        log_rho = self._kl_log_ratio(batch, logps)
-        if log_rho is not None:
-            per_token = per_token - self.cfg.beta * (torch.expm1(log_rho) - log_rho)  # k3 = rho - log rho - 1
-        return self.aggregate(per_token, batch, Z)
-
-    # -- logging, reference refresh, state -------------------------------------------
-    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        mask = effective_mask(batch).bool()
-        n = max(int(mask.sum()), 1)
-        adv = batch["advantages"][:, None].float().expand_as(logps)
-        ratio = self._ratio(batch, logps)
-        lo, hi = self.clip_range()
-        low = (adv < 0) & (ratio < 1 - lo) & mask
-        high = (adv > 0) & (ratio > 1 + hi) & mask
-        out = {"grpo/clip_frac": float((low | high).sum()) / n, "grpo/clip_low_frac": float(low.sum()) / n,
-               "grpo/clip_high_frac": float(high.sum()) / n, "grpo/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
-        if "ref_logps" in batch:
-            d = (batch["ref_logps"] - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
-            out["grpo/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n  # mean k3 over the step's tokens
-        return out
-
+    # -- reference refresh, state ----------------------------------------------------
     def after_step(self, step: int) -> dict[str, float]:
-        K = self.cfg.ref_refresh_every
+        K = self.settings.ref_refresh_every
         if self.ref is None or not K:
             return {}
         if step % K == 0:
             self.ref.load_state_dict(self.trainer.unwrapped_policy().state_dict())
             self.ref_refreshes += 1
-        return {"grpo/ref_refreshes": float(self.ref_refreshes)}
+        return {f"{self.metric_prefix}/ref_refreshes": float(self.ref_refreshes)}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"ref_refreshes": self.ref_refreshes}

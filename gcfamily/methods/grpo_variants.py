@@ -7,10 +7,12 @@ tests check its coefficient against autograd of that objective.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from gcfamily.methods.grpo import GRPO
-from gcfamily.methods.onpolicy import masked_group_stats
 
 
 class RLOO(GRPO):
@@ -55,9 +57,10 @@ class DrGRPO(GRPO):
     default_norm = "constant"
     setting_defaults = {"norm_constant": lambda cfg: float(cfg.max_new_tokens)}
 
-    def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        mean, _, _ = masked_group_stats(rewards, valid, unbiased=False)
-        return torch.where(valid, rewards.double() - mean[:, None], 0.0).float()
+    @dataclass
+    class Settings(GRPO.Settings):
+        scale_rewards: str = "none"
+        """Dr. GRPO does not divide by the group's std (group or batch would)."""
 
 
 class DAPO(GRPO):
@@ -81,6 +84,7 @@ class DAPO(GRPO):
     gc_formula = "r_t * A_i * 1[not clipped to [1-eps, 1+eps_high=0.28]] + beta * (pi_ref/pi - 1); token-level"
     default_norm = "token"
 
-    def clip_range(self) -> tuple[float, float]:
-        eps_high = self.cfg.epsilon_high if self.cfg.epsilon_high is not None else 0.28
-        return self.cfg.epsilon, eps_high
+    @dataclass
+    class Settings(GRPO.Settings):
+        epsilon_high: Optional[float] = 0.28
+        """Upper clip range: DAPO's clip-higher (TRL's loss_type="dapo" keeps it symmetric: set it to epsilon)."""

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from gcfamily.config import Config, MethodSettings, resolve_settings
+from gcfamily.config import Config
 from gcfamily.data import load_rows, prompt_ids
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
@@ -123,58 +122,6 @@ class OnPolicy(Method):
     def logprob_temperature(self) -> float:
         """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""
         return self.cfg.temperature
-
-
-class ClippedOnPolicy(OnPolicy):
-    """What GRPO and PPO share: mu passes over minibatches, and the clipped-ratio indicator."""
-
-    @dataclass
-    class Settings(MethodSettings):
-        beta: float = 0.04
-        """KL weight: how much of the KL to the frozen reference policy the objective subtracts (0 loads no reference)."""
-        epsilon: float = 0.2
-        """Clip range of the importance ratio: r is clipped to [1 - epsilon, 1 + epsilon_high]."""
-        epsilon_high: Optional[float] = None
-        """Upper clip range (DAPO's clip-higher); none means epsilon (symmetric)."""
-        mu: int = 1
-        """Inner epochs over each batch of rollouts (pi_old is only computed when mu > 1 or num_minibatches > 1)."""
-        num_minibatches: int = 1
-        """Optimizer steps per inner epoch (the batch is split into this many minibatches)."""
-        kl_clamp: Optional[float] = 20.0
-        """|log(pi_ref/pi)| beyond this is clamped before exp, in the objective and GC alike (its gradient is 0 there),
-        so rho never overflows; none clamps nothing (TRL's default)."""
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        super().validate(cfg)
-        s = resolve_settings(cfg, cls).settings
-        checks = [(s.beta >= 0, "beta must be >= 0"), (0 < s.epsilon < 1, "epsilon must be in (0, 1)"),
-                  (s.epsilon_high is None or s.epsilon_high > 0, "epsilon_high must be > 0"), (s.mu >= 1, "mu (inner epochs) must be >= 1"),
-                  (s.num_minibatches >= 1, "num_minibatches must be >= 1"), (s.kl_clamp is None or s.kl_clamp > 0, "kl_clamp must be > 0 or none")]
-        for ok, msg in checks:
-            if not ok:
-                raise GcfError(f"Invalid setting: {msg}.")
-
-    @property
-    def kl_clamp(self) -> float:
-        """The clamp of log(pi_ref/pi); infinite when the setting is none."""
-        return math.inf if self.settings.kl_clamp is None else self.settings.kl_clamp
-
-    def inner_epochs(self) -> int:
-        return self.settings.mu
-
-    def num_minibatches(self) -> int:
-        return self.settings.num_minibatches
-
-    def clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) of the ratio's clip; symmetric unless epsilon_high is set."""
-        s = self.settings
-        return s.epsilon, (s.epsilon_high if s.epsilon_high is not None else s.epsilon)
-
-    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        """Where min() picks the clipped branch, whose gradient is 0."""
-        lo, hi = self.clip_range()
-        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
 
 
 def masked_group_stats(rewards: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,11 +5,12 @@ InstructGPT, arXiv:2203.02155), maximised:
 
     J     = aggregate_t[ min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) - beta * k3_t ]
     r_t   = pi(o_t) / pi_old(o_t)
-    k3_t  = rho - log rho - 1,  rho = pi_ref(o_t) / pi(o_t)        (KL in the loss: beta > 0, not kl_in_reward)
+    k3_t  = rho - log rho - 1,  rho = pi_ref(o_t) / pi(o_t)        (KL in the loss: beta > 0, kl_placement=loss)
 
 A_t is GAE (Schulman et al. 2016, arXiv:1506.02438) over the completion tokens, on per-token rewards
 
-    rwd_t   = R * 1[t is the last completion token]  - beta * log(pi_old/pi_ref)(o_t) * 1[kl_in_reward]
+    rwd_t   = R * 1[t is the last completion token]  - beta * KL_t(pi_old) * 1[kl_placement=reward]  (k1 by default:
+              InstructGPT's log(pi_old/pi_ref)(o_t))
     delta_t = rwd_t + gamma * V_{t+1} - V_t           (V after the last token is 0: the episode ends)
     A_t     = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t
 
@@ -22,6 +23,8 @@ Coefficient, dJ/dlogp_t at the current log-probs (per aggregation weight):
 
     GC = r_t * A_t * 1[not clipped] + beta * (rho - 1)
     clipped = (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps)
+
+The clipped surrogate and the KL term (estimator and placement) are methods/clipped.py's, shared with GRPO.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from gcfamily.engine import build_optimizer, effective_mask, grads_finite
 from gcfamily.packing import backbone_hidden
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
-from gcfamily.methods.onpolicy import ClippedOnPolicy
+from gcfamily.methods.clipped import ClippedOnPolicy
 from gcfamily.models import load_model
 
 
@@ -154,8 +157,9 @@ class PPO(ClippedOnPolicy):
 
     name = "ppo"
     data_source = "the policy's own samples (G per prompt), scored by the reward; a learned critic supplies the baseline"
-    gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_in_reward),  A_t = GAE(gamma, lam) on a learned value model"
+    gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_placement=reward),  A_t = GAE(gamma, lam) on a learned value model"
     default_norm = "token"
+    metric_prefix = "ppo"
     whiten_advantages: ClassVar[bool] = True
     """Whiten the GAE advantages over the step's valid tokens (a subclass may switch it off)."""
 
@@ -171,8 +175,6 @@ class PPO(ClippedOnPolicy):
         """Clip range of the value loss (0 turns the value clip off)."""
         critic_lr: float = 1e-5
         """Learning rate of the critic."""
-        kl_in_reward: bool = False
-        """Put -beta * log(pi/pi_ref) in each token's reward instead of a KL term in the loss."""
         critic_model: Optional[str] = None
         """Model of the critic (alias or folder, same tokenizer as the policy); none: the policy's backbone (with LoRA, adapters
         of its own over the policy's frozen base)."""
@@ -217,7 +219,7 @@ class PPO(ClippedOnPolicy):
     def prepare(self, batch: Batch) -> Batch:
         cfg, tr, T = self.cfg, self.trainer, self.logprob_temperature()
         several = self.inner_epochs() > 1 or self.num_minibatches() > 1
-        kl_reward = cfg.kl_in_reward and self.ref is not None
+        kl_reward = self.settings.kl_placement == "reward" and self.ref is not None
         # One pass over one minibatch: pi_old == pi, so the ratio is exactly 1 (no old_logps); the
         # KL-in-reward still needs pi_old's log-probs, which are then the same forward's.
         old = tr.logprobs(tr.unwrapped_policy(), batch, T) if several or kl_reward else None
@@ -238,7 +240,7 @@ class PPO(ClippedOnPolicy):
         batch["stat/ppo/return_mean"] = float((batch["returns"] * valid).sum()) / n
         batch["stat/ppo/adv_raw_std"] = float(adv[valid.bool()].std()) if n > 1 else 0.0
         if kl_reward:
-            batch["stat/ppo/kl_penalty_mean"] = float((cfg.beta * (old - batch["ref_logps"]) * valid).sum()) / n
+            batch["stat/ppo/kl_penalty_mean"] = float((cfg.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
         return batch
 
     @torch.no_grad()
@@ -252,59 +254,20 @@ class PPO(ClippedOnPolicy):
         return out
 
     def token_rewards(self, batch: Batch, old_logps: torch.Tensor | None) -> torch.Tensor:
-        """[N, L]: the sequence reward on each row's last completion token, minus the per-token KL when kl_in_reward."""
+        """[N, L]: the sequence reward on each row's last completion token, minus beta * the per-token KL when kl_placement=reward."""
         mask = batch["loss_mask"].float()  # [N, L]
         N, L = mask.shape
         last = (mask * torch.arange(L)).argmax(-1)  # [N] position of the last completion token
         R = torch.where(batch["valid"].bool(), batch["rewards"].float(), 0.0) * mask.any(-1)  # [N]
         rewards = torch.zeros(N, L)
         rewards[torch.arange(N), last] = R
-        if old_logps is not None and self.cfg.kl_in_reward and "ref_logps" in batch:
-            rewards = rewards - self.cfg.beta * (old_logps - batch["ref_logps"]) * mask  # InstructGPT's -beta log(pi/pi_ref)
+        if old_logps is not None and self.settings.kl_placement == "reward" and "ref_logps" in batch:
+            rewards = rewards - self.settings.beta * self.kl_reward(batch["ref_logps"], old_logps) * mask  # k1: InstructGPT's -beta log(pi/pi_ref)
         return rewards
 
-    # -- the policy's rule -----------------------------------------------------------
-    def _ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
-        return torch.exp(logps - old)  # [B, L]
-
-    def _kl_log_ratio(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor | None:
-        if self.cfg.beta <= 0 or self.cfg.kl_in_reward or "ref_logps" not in batch:
-            return None
-        return (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)  # [B, L] log rho
-
-    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        adv = batch["advantages"]  # [B, L]
-        ratio = self._ratio(batch, logps)  # [B, L]
-        coef = torch.where(self.clipped(ratio, adv), 0.0, ratio * adv)
-        log_rho = self._kl_log_ratio(batch, logps)
-        if log_rho is not None:
-            inside = (batch["ref_logps"] - logps).abs() <= self.kl_clamp  # the clamp's gradient is 0 outside
-            coef = coef + self.cfg.beta * torch.expm1(log_rho) * inside  # beta (rho - 1)
-        return coef * batch["loss_mask"]
-
-    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        adv = batch["advantages"]  # [B, L]
-        ratio = self._ratio(batch, logps)
-        lo, hi = self.clip_range()
-        per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
-        log_rho = self._kl_log_ratio(batch, logps)
-        if log_rho is not None:
-            per_token = per_token - self.cfg.beta * (torch.expm1(log_rho) - log_rho)  # k3 = rho - log rho - 1
-        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
-
-    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        mask = effective_mask(batch).bool()
-        n = max(int(mask.sum()), 1)
-        adv, ratio = batch["advantages"], self._ratio(batch, logps)
-        lo, hi = self.clip_range()
-        low, high = (adv < 0) & (ratio < 1 - lo) & mask, (adv > 0) & (ratio > 1 + hi) & mask
-        out = {"ppo/clip_frac": float((low | high).sum()) / n, "ppo/clip_low_frac": float(low.sum()) / n,
-               "ppo/clip_high_frac": float(high.sum()) / n, "ppo/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
-        if "ref_logps" in batch:
-            d = (batch["ref_logps"] - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
-            out["ppo/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n
-        return out
+    # -- the policy's rule: the shared clipped surrogate on GAE advantages ---------
+    def token_advantages(self, batch: Batch) -> torch.Tensor:
+        return batch["advantages"]  # [B, L]
 
     # -- the critic: its loss, its step ----------------------------------------------
     def critic_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:

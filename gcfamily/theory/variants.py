@@ -18,12 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch
 from gcfamily.methods.grpo import GRPO
-from gcfamily.methods.onpolicy import masked_group_stats
 
 
 class GRPOShift(GRPO):
@@ -40,14 +36,10 @@ class GRPOShift(GRPO):
     name = "grpo-shift"
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = R_i - mean R (no std)"
 
-    def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        mean, _, _ = masked_group_stats(rewards, valid, unbiased=False)
-        return torch.where(valid, rewards.double() - mean[:, None], 0.0).float()
-
-
-def _surrogate_only(batch: Batch) -> Batch:
-    """The batch without ref_logps: GRPO's coefficient and objective then hold no KL term."""
-    return {k: v for k, v in batch.items() if k != "ref_logps"}
+    @dataclass
+    class Settings(GRPO.Settings):
+        scale_rewards: str = "none"
+        """Shift-only advantages: R_i - mean(R), not divided by a std."""
 
 
 class GRPODirectKL(GRPO):
@@ -58,35 +50,21 @@ class GRPODirectKL(GRPO):
 
     since d(r k3)/dlogp = r (k3 + 1 - rho) = -r log rho. Sampled from pi_old, r_t * k3_t is an
     unbiased estimate of KL(pi || pi_ref) (the penalty RLHF means), where plain k3's gradient is
-    that of KL(pi_ref || pi). Past GRPO's clamp of |log rho| the k3 value is constant, so only
-    the ratio's derivative r_t * k3_t remains there.
+    that of KL(pi_ref || pi). Past the clamp of |log rho| the k3 value is constant, so only the
+    ratio's derivative r_t * k3_t remains there. It is GRPO with kl_estimator=k3-importance-weighted
+    (TRL's default GRPO KL, use_bias_correction_kl).
     """
 
     name = "grpo-direct-kl"
     gc_formula = "r_t * A_i * 1[not clipped] - beta * r_t * log(pi/pi_ref)"
 
-    def _penalty(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(r_t * k3_t, its derivative in logp_t), or None when there is no KL term."""
-        log_rho = self._kl_log_ratio(batch, logps)
-        if log_rho is None:
-            return None
-        inside = (batch["ref_logps"] - logps).abs() <= self.kl_clamp
-        rho, ratio = log_rho.exp(), self._ratio(batch, logps)
-        k3 = rho - log_rho - 1
-        return ratio * k3, ratio * (k3 + (1 - rho) * inside)  # [B, L] each
-
-    def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        coef = super().coefficient(_surrogate_only(batch), logps)
-        pen = self._penalty(batch, logps)
-        return coef if pen is None else coef - self.cfg.beta * pen[1] * batch["loss_mask"]
-
-    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        J = super().objective(_surrogate_only(batch), logps, Z)
-        pen = self._penalty(batch, logps)
-        return J if pen is None else J - self.aggregate(self.cfg.beta * pen[0], batch, Z)
+    @dataclass
+    class Settings(GRPO.Settings):
+        kl_estimator: str = "k3-importance-weighted"
+        """The importance-weighted k3, r_t * k3_t (an estimate of KL(pi || pi_ref))."""
 
 
-class GRPOShiftDirectKL(GRPOShift, GRPODirectKL):
+class GRPOShiftDirectKL(GRPO):
     """Shift-only advantages and the direct KL together (Vojnovic & Yun 2025): on a bandit the
     stationary policy is pi_ref exp((1 - 1/G) r / beta) / Z, RLHF's logarithmic pooling.
 
@@ -96,6 +74,13 @@ class GRPOShiftDirectKL(GRPOShift, GRPODirectKL):
 
     name = "grpo-shift-direct-kl"
     gc_formula = "r_t * A_i * 1[not clipped] - beta * r_t * log(pi/pi_ref),  A_i = R_i - mean R (no std)"
+
+    @dataclass
+    class Settings(GRPO.Settings):
+        scale_rewards: str = "none"
+        """Shift-only advantages: R_i - mean(R), not divided by a std."""
+        kl_estimator: str = "k3-importance-weighted"
+        """The importance-weighted k3, r_t * k3_t (an estimate of KL(pi || pi_ref))."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +114,22 @@ VARIANT_METHODS: dict[str, str] = {"grpo": "grpo", "direct_kl": "grpo-direct-kl"
                                    "shift_only_direct_kl": "grpo-shift-direct-kl"}
 
 
-def prediction_for(method: str) -> Prediction:
-    """The prediction of a method's bandit stationary policy; a clear error for one without."""
-    if method not in PREDICTED:
-        raise GcfError(f"No stationary-policy prediction for method '{method}'; choose one of: {', '.join(PREDICTED)}.")
-    return PREDICTED[method]
+def prediction_for(method: str, variant: str | None = None) -> Prediction:
+    """The prediction of a method's bandit stationary policy; a clear error for one without.
+
+    A method of your own (module:Class or path/to/file.py:Class, a GRPO subclass) has none of its
+    own: `variant` names the prediction to compare it with.
+    """
+    if method in PREDICTED:
+        pred = PREDICTED[method]
+        if variant is not None and variant != pred.variant:
+            raise GcfError(f"--method {method} trains the '{pred.variant}' variant, not '{variant}'; drop one of the two options.")
+        return pred
+    if variant is None:
+        raise GcfError(f"No stationary-policy prediction for method '{method}'; choose one of: {', '.join(PREDICTED)}, "
+                       "or pass --variant NAME to compare a GRPO subclass of your own with that variant's prediction.")
+    from gcfamily.methods import get_method
+
+    if not issubclass(get_method(method), GRPO):
+        raise GcfError(f"gcf theory trains GRPO and its subclasses on the bandit; {method} is not one, so pass a GRPO subclass.")
+    return Prediction(variant)
