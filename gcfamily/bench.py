@@ -105,19 +105,10 @@ def parse_budget(budget: str) -> dict[str, Any]:
 
 
 def method_name(spec: str) -> str:
-    """The registered name of a method spec: a name in the method table, or module:Class of a user's method."""
-    if ":" in spec:
-        import importlib
+    """The name of a method spec in the table and its folder (gcfamily.methods.method_label; errors are one sentence)."""
+    from gcfamily.methods import method_label
 
-        module, cls = spec.split(":", 1)
-        try:
-            return getattr(importlib.import_module(module), cls).name
-        except (ImportError, AttributeError) as e:
-            raise GcfError(f"Method {spec} could not be imported ({e}); pass a registered name (gcf methods) or module:Class.") from e
-    from gcfamily.methods import get_method
-
-    get_method(spec)  # an unknown name is a clear error
-    return spec
+    return method_label(spec)
 
 
 def default_methods() -> list[str]:
@@ -130,7 +121,7 @@ def default_methods() -> list[str]:
 def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: str, budget: dict[str, Any],
                  sets: dict[str, str], out: Path) -> dict[str, Any]:
     """Settings of one method's run: common, the method's recipe, the budget, then --set (KEY or METHOD.KEY)."""
-    s: dict[str, Any] = {"method": name, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
+    s: dict[str, Any] = {"method": spec, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
                          "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
     s.update(suite["common"])
     s.update(suite["methods"].get(name, {}))
@@ -236,12 +227,9 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
 def child(spec_path: str) -> None:
     """Run one method as a normal Trainer run; write the GC record and the KL next to its metrics."""
     from gcfamily.config import resolve
-    from gcfamily.methods import METHODS
     from gcfamily.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
-    if ":" in spec["method_spec"]:  # a user's method (or one not yet in the table) by module:Class
-        METHODS[spec["settings"]["method"]] = spec["method_spec"]
     cfg = resolve(None, spec["settings"])  # as `gcf run --set`: these count as given, over any method default
     trainer = Trainer(cfg)
     recorder = GCRecorder(trainer)
@@ -351,7 +339,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 
 
 @click.command("bench")
-@click.option("--methods", default=None, help=f"Comma-separated methods (names or module:Class); default {','.join(DEFAULT_METHODS)}.")
+@click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class); default {','.join(DEFAULT_METHODS)}.")
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
 @click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
 @click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS, the same for each method; default time:210 (steps:60 with --quick).")

@@ -55,7 +55,7 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 
 
 @main.command()
-@click.option("--method", help="Method name (see `gcf methods`).")
+@click.option("--method", help="Method: a name from `gcf methods`, module:Class or path/to/file.py:Class.")
 @click.option("--model", help="Alias (tiny, smollm2-135m, qwen-0.5b), hub id or local folder.")
 @click.option("--task", help="Built-in task (arithmetic, countdown, sorting, ...).")
 @click.option("--dataset", help="Local JSONL/JSON/parquet/CSV file or hub dataset name.")
@@ -121,19 +121,32 @@ def _default_output_dir(cfg: Any, resume: Optional[str]) -> Any:
         raise GcfError("--resume without a path needs --output-dir (the folder of the run to continue).")
     stamp = os.environ.get("TORCHELASTIC_RUN_ID") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
+    from gcfamily.methods import method_label
+
     model = Path(cfg.model).name or "model"
-    return dataclasses.replace(cfg, output_dir=f"runs/{cfg.method}-{model}-{stamp}")
+    return dataclasses.replace(cfg, output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
 
 
 @main.command()
-def methods() -> None:
-    """List every method with its data source and gradient coefficient."""
-    from gcfamily.methods import all_methods
+@click.option("--method", "spec", default=None, help="Show one method: a name, module:Class or path/to/file.py:Class.")
+def methods(spec: Optional[str]) -> None:
+    """List every method (built in, then installed by packages) with its data source and gradient coefficient."""
+    from gcfamily.methods import METHODS, get_method, installed_methods
 
-    rows = [(n, c.data_source, c.gc_formula) for n, c in all_methods().items()]
-    w = max(len(r[0]) for r in rows)
-    for name, src, gc in rows:
-        click.echo(f"{name:<{w}}  data: {src}\n{'':<{w}}  GC:   {gc}")
+    installed = installed_methods()
+    names = [spec] if spec else [*METHODS, *(n for n in installed if n not in METHODS)]
+    w = max(len(n) for n in names)
+    broken: Optional[GcfError] = None
+    for name in names:
+        try:
+            cls = get_method(name)
+        except GcfError as e:  # a broken package: list the rest, then fail with its one line
+            broken = broken or e
+            continue
+        source = f"  (from {installed[name][1]})" if name in installed and name not in METHODS else ""
+        click.echo(f"{name:<{w}}  data: {cls.data_source}{source}\n{'':<{w}}  GC:   {cls.gc_formula}")
+    if broken is not None:
+        raise broken
 
 
 @main.command()

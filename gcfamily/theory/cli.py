@@ -28,9 +28,11 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 @click.command()
-@click.option("--method", default=None, help="grpo, a variant (grpo-shift, grpo-direct-kl, grpo-shift-direct-kl) or dapo, dr-grpo, rloo.  [default: grpo]")
+@click.option("--method", default=None, help="grpo, a variant (grpo-shift, grpo-direct-kl, grpo-shift-direct-kl), dapo, dr-grpo, rloo, "
+              "or a GRPO subclass of your own (module:Class or path/to/file.py:Class, with --variant).  [default: grpo]")
 @click.option("--variant", type=click.Choice(["grpo", "direct_kl", "shift_only", "shift_only_direct_kl"]), default=None,
-              help="The prediction variant; picks its method when --method is not given.")
+              help="The prediction variant; picks its method when --method is not given, and is the prediction a "
+                   "method of your own is compared with.")
 @click.option("--group-size", "-G", "G", type=int, default=4, show_default=True, help="Group size G.")
 @click.option("--beta", type=float, default=0.2, show_default=True, help="KL weight.")
 @click.option("--std", type=click.Choice(["population", "sample"]), default="sample", show_default=True,
@@ -56,10 +58,10 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     from gcfamily.theory.train import bandit_config, predicted_policy, train_bandit
     from gcfamily.theory.variants import VARIANT_METHODS, prediction_for
 
+    from gcfamily.methods import method_label
+
     method = method or VARIANT_METHODS[variant or "grpo"]
-    pred = prediction_for(method)
-    if variant is not None and variant != pred.variant:
-        raise GcfError(f"--method {method} trains the '{pred.variant}' variant, not '{variant}'; drop one of the two options.")
+    pred = prediction_for(method, variant)  # a method of your own is compared with --variant's prediction
     r = _floats(rewards, "rewards")
     if len(r) != 2:
         raise GcfError(f"--rewards needs two values, for the correct and the wrong answer (got {rewards!r}).")
@@ -83,7 +85,7 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
         trained[b] = res.pi
         if b == beta:
             main_res = res
-    want = predicted_policy(problem, method, G, beta, std)
+    want = predicted_policy(problem, method, G, beta, std, variant)
     got = trained[beta]
     status = (f"converged: max |expected gradient / pi| {main_res.residual:.1e}" if main_res.steps < steps else
               f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps; with --lr, lower it)"
@@ -98,20 +100,20 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     click.echo(f"\nlargest difference: {diff.max():.2e} (q{q}, output {'ab'[o]}, pi_ref(a)={problem.pi_ref[q, 0]:g})")
     for b in betas:
         if b != beta:
-            d = np.abs(trained[b] - predicted_policy(problem, method, G, b, std)).max()
+            d = np.abs(trained[b] - predicted_policy(problem, method, G, b, std, variant)).max()
             click.echo(f"beta={b:g}: largest difference {d:.2e}")
-    path = Path(out_dir) / f"theory-{method}-G{G}-beta{beta:g}-{std}.png"
-    plot(path, problem, method, G, std, betas, trained)
+    path = Path(out_dir) / f"theory-{method_label(method)}-G{G}-beta{beta:g}-{std}.png"
+    plot(path, problem, method, G, std, betas, trained, variant)
     click.echo(f"plot: {path}  ({time.time() - t0:.1f} s)")
 
 
 def _curve(p_grid: np.ndarray, rewards: np.ndarray, bernoulli: bool, method: str, G: Optional[int], beta: float,
-           std: str) -> np.ndarray:
+           std: str, variant: Optional[str] = None) -> np.ndarray:
     """Predicted stationary pi(a) over a grid of pi_ref(a); NaN where no stationary point is found."""
     from gcfamily.theory import predictions
     from gcfamily.theory.variants import prediction_for
 
-    pred = prediction_for(method)
+    pred = prediction_for(method, variant)
     s = pred.adv_scale(G) if G is not None else 1.0
     out = np.full(len(p_grid), np.nan)
     for i, p in enumerate(p_grid):
@@ -124,7 +126,7 @@ def _curve(p_grid: np.ndarray, rewards: np.ndarray, bernoulli: bool, method: str
 
 
 def plot(path: Path, problem, method: str, G: int, std: str, betas: list[float],  # type: ignore[no-untyped-def]
-         trained: dict[float, np.ndarray]) -> None:
+         trained: dict[float, np.ndarray], variant: Optional[str] = None) -> None:
     """pi(a) against pi_ref(a), one panel per beta: predicted curves, log pooling, trained points."""
     import matplotlib
 
@@ -138,7 +140,7 @@ def plot(path: Path, problem, method: str, G: int, std: str, betas: list[float],
     fig, axes = plt.subplots(1, len(betas), figsize=(4 * len(betas), 4), sharey=True, squeeze=False)
     for ax, b in zip(axes[0], betas):
         for g in CURVE_G:
-            ax.plot(p_grid, _curve(p_grid, rewards, bern, method, g, b, std), label=f"G={g or chr(8734)}")
+            ax.plot(p_grid, _curve(p_grid, rewards, bern, method, g, b, std, variant), label=f"G={g or chr(8734)}")
         r_mean = rewards  # expected rewards: for Bernoulli the success probabilities
         pool = [predictions.log_pooling(np.array([p, 1 - p]), r_mean, b)[0] for p in p_grid]
         ax.plot(p_grid, pool, "k--", label="log pooling (RLHF)")

@@ -202,18 +202,18 @@ def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional
 
 
 def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float,
-                     std: str = DEFAULT_STD) -> np.ndarray:
-    """The predicted stationary policy [P, K] of `method` (G=None: G -> infinity)."""
-    pred = prediction_for(method)
+                     std: str = DEFAULT_STD, variant: Optional[str] = None) -> np.ndarray:
+    """The predicted stationary policy [P, K] of `method` (G=None: G -> infinity); variant: see prediction_for."""
+    pred = prediction_for(method, variant)
     s = pred.adv_scale(G) if G is not None else 1.0
     return np.stack([predictions.grpo_stationary(problem.pi_ref[q], problem.rewards[q], G, beta / s, std,
                                                  problem.bernoulli, pred.variant).pi for q in range(problem.P)])
 
 
 def predicted_gradient(problem: BanditProblem, method: str, logits: np.ndarray, G: int, beta: float,
-                       std: str = DEFAULT_STD) -> np.ndarray:
+                       std: str = DEFAULT_STD, variant: Optional[str] = None) -> np.ndarray:
     """predictions.expected_gradient [P, K] (ascent, per prompt) for `method` at the given logits."""
-    pred = prediction_for(method)
+    pred = prediction_for(method, variant)
     s = pred.adv_scale(G)
     return np.stack([s * predictions.expected_gradient(logits[q], problem.pi_ref[q], problem.rewards[q], G, beta / s,
                                                        std, problem.bernoulli, pred.variant) for q in range(problem.P)])
