@@ -150,16 +150,35 @@ def methods(spec: Optional[str]) -> None:
 
 
 @main.command()
-def settings() -> None:
-    """List every setting with its default and meaning."""
+@click.option("--method", "spec", default=None, help="Add a method's own settings: a name, module:Class or path/to/file.py:Class.")
+def settings(spec: Optional[str]) -> None:
+    """List the shared settings (and a method's own) with their defaults and meaning."""
     import dataclasses
 
-    from gcfamily.config import Config, field_docs
+    from gcfamily.config import INTERNAL, Config, field_docs
 
-    docs = field_docs()
-    for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        click.echo(f"{f.name} = {default!r}\n    {docs.get(f.name, '')}")
+    def show(cls: type, overrides: dict[str, Any]) -> None:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in INTERNAL:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if f.name in overrides:  # the method's own default of a shared setting
+                value = overrides[f.name]
+                default = "set from the other settings" if callable(value) else value
+            click.echo(f"{f.name} = {default!r}\n    {docs.get(f.name, '')}")
+
+    if spec is None:
+        show(Config, {})
+        return
+    from gcfamily.methods import get_method
+
+    cls = get_method(spec)
+    show(Config, getattr(cls, "setting_defaults", {}))
+    own = getattr(cls, "Settings", None)
+    if own is not None and dataclasses.fields(own):
+        click.echo(f"\n# {spec}'s own settings (--set KEY=VALUE as well)")
+        show(own, getattr(cls, "setting_defaults", {}))
 
 
 @main.command()

@@ -111,6 +111,7 @@ FAILURES = [  # (spec, what stderr must say)
 COMMANDS = {  # every command that takes a method, with the rest of a valid command line
     "run": lambda spec, out: ["run", "--method", spec, "--model", "tiny", "--max-steps", "1", "--output-dir", out],
     "methods": lambda spec, out: ["methods", "--method", spec],
+    "settings": lambda spec, out: ["settings", "--method", spec],
     "bench": lambda spec, out: ["bench", "--quick", "--methods", spec, "--budget", "steps:1", "--out", out],
     "theory": lambda spec, out: ["theory", "--method", spec, "--variant", "grpo", "--out", out],
 }
@@ -217,6 +218,16 @@ def test_a_run_without_output_dir_is_named_after_the_rule(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     cfg = Config(method=GSPO_SPEC, model="tiny")
     assert _default_output_dir(cfg, None).output_dir.startswith("runs/gspo-tiny-")
+
+
+def test_settings_lists_a_file_rules_own_settings(gcf, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, out, err = gcf("settings", "--method", GSPO_SPEC)
+    assert code == 0, err
+    shared, _, own = out.partition(f"# {GSPO_SPEC}'s own settings")
+    assert "max_steps = " in shared and "epsilon = 0.2" in own and "std = 'sample'" in own
+    code, out, _ = gcf("settings")
+    assert code == 0 and "max_steps = " in out and "epsilon = " not in out and "method_options" not in out
 
 
 def test_methods_lists_a_rule_from_a_file(gcf, monkeypatch):
