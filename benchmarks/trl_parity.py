@@ -1,0 +1,527 @@
+"""Loss parity with TRL 1.16: every row of docs/trl-mapping.md that gcfamily can express, checked against TRL's own code.
+
+    .venv/bin/python benchmarks/trl_parity.py               # every row, 3 random cases each
+    .venv/bin/python benchmarks/trl_parity.py --seeds 10 --rows grpo,dapo
+
+Needs TRL (`pip install trl==1.16.0 "torch==2.13.0"`); without it the script says so and exits 0.
+
+For each row, on random float64 inputs (a current policy's log-probs as the leaf, pi_old != pi as
+with mu = 2, pi_ref with a few tokens past gcfamily's KL clamp, completions of different lengths
+with right padding, rewards in groups with one all-equal group):
+
+- TRL: its real code, with no model. GRPO runs `GRPOTrainer._generate_and_score_completions` (which
+  computes the advantages and num_items_in_batch) and then `GRPOTrainer._compute_loss`, on an object
+  made with object.__new__(GRPOTrainer) that holds what those two read, with `_generate`,
+  `_calculate_rewards` and `_get_per_token_logps_and_entropies` replaced by functions that return
+  the case's tokens, rewards and log-probs. The settings come from a real GRPOConfig (so TRL's own
+  defaults apply), copied onto the object as GRPOTrainer.__init__ copies them. DPO runs
+  `DPOTrainer._compute_loss` with a stand-in model whose output's `log_probs` are the case's; SimPO
+  runs `CPOTrainer.get_batch_loss_metrics` (trl.experimental.cpo), whose stand-in model returns
+  two-token logits [x, log(1 - e^x)], so that TRL's own log-softmax gives back exactly x.
+- gcfamily: the real method class, built from the row's `--set` strings the way `gcf run` builds it
+  (typed, method defaults applied, validated), then `prepare` (advantages, pi_old/pi_ref as the
+  trainer supplies them), `engine.normaliser`, `coefficient` and `engine.weighted_loss`, as
+  gcfamily/trainer.py runs a step.
+
+Compared: the gradient with respect to the current log-probs (TRL's autograd vs the engine's one
+loss); the loss value, TRL's against minus the method's textbook `objective` (the engine's
+weighted loss has the right gradient, not the objective's value); and for GRPO the advantages.
+A row fails when any differs by more than 1e-6. A control row (expect "differ") is a setting a user
+might wrongly take for TRL's (gcfamily's defaults, or a near-miss); it fails if it does NOT differ,
+so the check is shown able to tell the settings apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import types
+import warnings
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from gcfamily import engine
+from gcfamily.config import Config, apply, parse_sets, resolve_settings, validate
+from gcfamily.methods import get_method
+from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.clipped import kl_value
+from gcfamily.methods.grpo import GRPO
+
+TOL = 1e-6
+CONTROL_MIN = 1e-4  # a control row must differ by at least this much
+N_PROMPTS, G, P, T, MAX_LEN = 4, 4, 3, 8, 12  # GRPO: 4 prompts x 4 samples, prompt 3, completions <= 8, max_completion_length 12
+PAIRS, DPO_P, DPO_T = 5, 2, 7  # preference pairs, prompt and completion widths
+EOS, PAD = 2, 0
+
+
+# ----------------------------------------------------------------------------------
+# two user extensions of gcfamily's GRPO (not built in): each overrides one hook and restates `objective`
+
+
+class GSPO(GRPO):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one ratio per sequence,
+    s_i = exp(mean_t log(pi/pi_old)), clipped as GRPO clips r_t; TRL's importance_sampling_level="sequence".
+
+    GC factor g_t = s_i: ds_i/dlogp_t = s_i / |o_i|, and the row's |o_i| tokens carry the same term with
+    equal weights under every normalisation, so the engine's sum over them restores the factor |o_i|.
+    """
+
+    name = "gspo"
+    ratio_level = "sequence"
+
+    def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        s = torch.exp(log_s).expand_as(logps)  # [B, L], one value per row
+        return s, s
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        adv, (s, _), (lo, hi) = self.token_advantages(batch), self.importance_ratio(batch, logps), self.clip_range()
+        per_token = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)
+        if self.kl_in_loss(batch):  # plain k3 only: TRL weighs its bias-corrected KL by s_i, not by r_t
+            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            per_token = per_token - self.settings.beta * kl_value("k3", log_rho, torch.zeros_like(log_rho))
+        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+
+
+class TwoSidedClip(GRPO):
+    """INTELLECT-2's two-sided clip (TRL's `delta`): r_t A_t is also capped at delta * A_t, so a token with
+    A_t < 0 and r_t > delta gets no gradient either."""
+
+    name = "grpo-delta"
+
+    @dataclass
+    class Settings(GRPO.Settings):
+        delta: float = 4.0
+        """Cap of the ratio in the unclipped branch (TRL's delta; above 1 + epsilon_high)."""
+
+    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        return super().clipped(ratio, adv) | ((adv < 0) & (ratio > self.settings.delta))
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        adv, (lo, hi) = self.token_advantages(batch), self.clip_range()
+        log_r = logps - self._old(batch, logps)
+        ratio = torch.exp(log_r)
+        per_token = torch.minimum(ratio.clamp(max=self.settings.delta) * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+        if self.kl_in_loss(batch):
+            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            per_token = per_token - self.settings.beta * kl_value(self.kl_name, log_rho, log_r)
+        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+
+
+EXTENSIONS: dict[str, type[Method]] = {"gspo": GSPO, "grpo-delta": TwoSidedClip}
+
+
+# ----------------------------------------------------------------------------------
+# the rows: TRL's config -> gcfamily's --method and --set
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    kind: str  # grpo | dpo | simpo: which TRL code runs
+    trl: dict  # fields of GRPOConfig / DPOConfig / CPOConfig
+    method: str  # gcfamily --method (or an EXTENSIONS name)
+    sets: str = ""  # gcfamily --set k=v ..., exactly as on the command line
+    expect: str = "match"  # match: a supported row; differ: a control that must not match
+    validated: bool = True  # False: gcfamily's validation refuses these settings (the row checks the algebra only)
+
+
+MU2 = {"num_iterations": 2}  # TRL's mu: pi_old is computed and differs from pi
+ROWS: list[Row] = [
+    # -- GRPO loss types (each with mu = 2, so both clip sides are live)
+    Row("grpo", "grpo", {"loss_type": "grpo", **MU2}, "grpo", "mu=2 std_eps=1e-4 beta=0"),
+    Row("grpo beta=0.04 (bias-corrected KL)", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
+    Row("grpo beta=0.04 use_bias_correction_kl=False", "grpo", {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False, **MU2},
+        "grpo", "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none"),
+    Row("grpo scale_rewards=batch", "grpo", {"loss_type": "grpo", "scale_rewards": "batch", **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0 scale_rewards=batch"),
+    Row("grpo scale_rewards=none", "grpo", {"loss_type": "grpo", "scale_rewards": "none", **MU2}, "grpo-shift", "mu=2 beta=0"),
+    Row("grpo epsilon=0.1 epsilon_high=0.3", "grpo", {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3, **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0 epsilon=0.1 epsilon_high=0.3"),
+    Row("grpo num_iterations=1", "grpo", {"loss_type": "grpo", "beta": 0.04}, "grpo",
+        "std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
+    Row("bnpo", "grpo", {"loss_type": "bnpo", "beta": 0.04, **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none loss_norm=token"),
+    Row("dr_grpo (scale_rewards=group, TRL's default)", "grpo", {"loss_type": "dr_grpo", **MU2}, "dr-grpo",
+        f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN}"),
+    Row("dr_grpo scale_rewards=none", "grpo", {"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.04, **MU2}, "dr-grpo",
+        f"mu=2 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none max_new_tokens={MAX_LEN}"),
+    Row("dapo (TRL default: epsilon_high=epsilon)", "grpo", {"loss_type": "dapo", **MU2}, "dapo", "mu=2 beta=0 std_eps=1e-4 epsilon_high=0.2"),
+    Row("dapo epsilon_high=0.28", "grpo", {"loss_type": "dapo", "epsilon_high": 0.28, **MU2}, "dapo", "mu=2 beta=0 std_eps=1e-4"),
+    Row("GRPOConfig() defaults, num_iterations=1", "grpo", {}, "dapo", "beta=0 std_eps=1e-4 epsilon_high=0.2"),
+    Row("luspo, importance_sampling_level=token", "grpo", {"loss_type": "luspo", **MU2}, "grpo", "mu=2 beta=0 std_eps=1e-4 loss_norm=sum"),
+    # -- user extensions (not built in; the classes above)
+    Row("grpo importance_sampling_level=sequence (GSPO) [subclass]", "grpo",
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2}, "gspo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4"),
+    Row("GSPO beta=0.04 use_bias_correction_kl=False [subclass]", "grpo",
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04, "use_bias_correction_kl": False, **MU2}, "gspo",
+        "mu=2 beta=0.04 std_eps=1e-4 kl_estimator=k3 kl_clamp=none"),
+    Row("grpo delta=1.5 [subclass]", "grpo", {"loss_type": "grpo", "delta": 1.5, "beta": 0.04, **MU2}, "grpo-delta",
+        "mu=2 delta=1.5 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
+    # -- preference losses
+    Row("dpo sigmoid", "dpo", {"loss_type": ["sigmoid"], "beta": 0.1}, "dpo", "beta=0.1"),
+    Row("simpo (CPOConfig loss_type=simpo, cpo_alpha=0)", "simpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
+        "simpo", "beta=2.0 simpo_gamma=0.8"),
+    Row("dpo robust eps=0.1 = cdpo label_smoothing=-0.125 [refused]", "dpo", {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
+        "cdpo", "beta=0.1 label_smoothing=-0.125", validated=False),
+    # -- controls: near-misses that must differ
+    Row("control: grpo with gcfamily's std_eps=0", "grpo", {"loss_type": "grpo", **MU2}, "grpo", "mu=2 beta=0", expect="differ"),
+    Row("control: bias-corrected KL with gcfamily's kl_clamp=20", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted", expect="differ"),
+    Row("control: bias-corrected KL with plain k3", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none", expect="differ"),
+    Row("control: TRL dapo with gcfamily dapo's epsilon_high=0.28", "grpo", {"loss_type": "dapo", **MU2}, "dapo",
+        "mu=2 beta=0 std_eps=1e-4", expect="differ"),
+    Row("control: dr_grpo with gcfamily's max_new_tokens=64", "grpo", {"loss_type": "dr_grpo", **MU2}, "dr-grpo",
+        "mu=2 beta=0 scale_rewards=group std_eps=1e-4", expect="differ"),
+    Row("control: grpo mask_truncated_completions=True (no setting)", "grpo", {"loss_type": "grpo", "mask_truncated_completions": True, **MU2},
+        "grpo", "mu=2 std_eps=1e-4 beta=0", expect="differ"),
+    Row("control: dpo ipo (TRL: per-token means)", "dpo", {"loss_type": ["ipo"], "beta": 0.1}, "ipo", "beta=0.1", expect="differ"),
+    Row("control: dpo robust vs cdpo at the same eps", "dpo", {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
+        "cdpo", "beta=0.1 label_smoothing=0.1", expect="differ"),
+    Row("control: simpo with simpo_gamma = gamma/beta", "simpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
+        "simpo", "beta=2.0 simpo_gamma=0.4", expect="differ"),
+]
+
+
+# ----------------------------------------------------------------------------------
+# random cases
+
+
+def grpo_case(seed: int) -> dict[str, torch.Tensor]:
+    """Rewards [B], completion lengths [B], token ids [B, T], and log-probs [B, P + T] of pi, pi_old, pi_ref (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = N_PROMPTS * G
+    rewards = torch.randn(N_PROMPTS, G, generator=gen, dtype=torch.float64)  # [n, G]
+    rewards[0] = 0.75  # an all-equal group: advantage 0, tokens kept
+    rewards[1] = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # a binary reward
+    rewards = rewards.flatten().float().double()  # float32-exact values: gcfamily reads rewards as float32
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)  # [B]
+    lengths[torch.randint(0, B, (1,), generator=gen)] = T  # at least one full row: the others are padded
+    ids = torch.randint(3, 50, (B, T), generator=gen)  # [B, T]
+    ends = torch.rand(B, generator=gen) < 0.75  # the rest are truncated (no EOS)
+    for b in range(B):
+        if ends[b]:
+            ids[b, lengths[b] - 1] = EOS
+    logps = -(0.1 + 2.9 * torch.rand(B, P + T, generator=gen, dtype=torch.float64))  # [B, P+T], nonzero past the masks too
+    old = logps + 0.35 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T]: r = e^(+-0.35), both clip sides
+    ref = logps + 0.5 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T]
+    rows = torch.randperm(B, generator=gen)[:2]
+    ref[rows, P] = logps[rows, P] - 25.0  # |log(pi_ref/pi)| = 25: past gcfamily's default kl_clamp of 20
+    return {"rewards": rewards, "lengths": lengths, "ids": ids, "ends": ends, "logps": logps, "old": old, "ref": ref}
+
+
+def pair_case(seed: int) -> dict[str, torch.Tensor]:
+    """Interleaved pairs (chosen 2i, rejected 2i+1): loss mask [2P, L], log-probs of pi and pi_ref [2P, L]."""
+    gen = torch.Generator().manual_seed(seed)
+    B, L = 2 * PAIRS, DPO_P + DPO_T
+    lengths = torch.randint(2, DPO_T + 1, (B,), generator=gen)
+    pos = torch.arange(L)[None]
+    loss_mask = ((pos >= DPO_P) & (pos < DPO_P + lengths[:, None])).long()  # [B, L]
+    logps = -(0.1 + 2.9 * torch.rand(B, L, generator=gen, dtype=torch.float64))  # [B, L]
+    ref = logps + 0.6 * torch.randn(B, L, generator=gen, dtype=torch.float64)
+    return {"loss_mask": loss_mask, "logps": logps, "ref": ref, "ids": torch.randint(3, 50, (B, L), generator=gen)}
+
+
+# ----------------------------------------------------------------------------------
+# TRL's side: its own code on a minimal trainer object
+
+
+class _Accelerator:
+    """One process on the CPU: what TRL's loss and advantage code ask of accelerate."""
+
+    device, num_processes, process_index, sync_gradients = torch.device("cpu"), 1, 0, True
+
+    def gather(self, x: Any) -> Any:
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return x
+
+
+def _bare(cls: type, args: Any) -> Any:
+    """An instance of a TRL trainer class without its __init__, with the state every loss path reads."""
+    tr = object.__new__(cls)
+    tr.args, tr.accelerator = args, _Accelerator()
+    tr.model = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
+    tr._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    tr.aux_loss_enabled = False
+    return tr
+
+
+def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
+    from trl import GRPOConfig, GRPOTrainer
+
+    B = N_PROMPTS * G
+    args = GRPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=B,
+                      num_generations=G, max_completion_length=MAX_LEN, **row.trl)
+    tr = _bare(GRPOTrainer, args)
+    # as GRPOTrainer.__init__ copies them from args
+    tr.beta, tr.loss_type, tr.scale_rewards = args.beta, args.loss_type, args.scale_rewards
+    tr.num_iterations, tr.epsilon_low = args.num_iterations, args.epsilon
+    tr.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    tr.importance_sampling_level, tr.off_policy_mask_threshold = args.importance_sampling_level, args.off_policy_mask_threshold
+    tr.mask_truncated_completions, tr.top_entropy_quantile = args.mask_truncated_completions, args.top_entropy_quantile
+    tr.max_completion_length, tr.num_generations = args.max_completion_length, args.num_generations
+    tr.num_generations_eval = args.num_generations_eval or args.num_generations
+    tr.multi_objective_aggregation, tr.pad_to_multiple_of = args.multi_objective_aggregation, args.pad_to_multiple_of
+    tr.use_vllm, tr.vllm_importance_sampling_correction = False, args.vllm_importance_sampling_correction
+    tr.entropy_coef, tr.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
+    tr._entropy_bonus_enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+    tr.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    tr.reward_weights, tr.reward_func_names, tr.reward_funcs = torch.ones(1), ["reward"], [None]
+    tr.environment_factories, tr.environments, tr.tools, tr.log_multimodal = None, [], None, False
+    tr._tokenizer, tr.eos_token_ids = types.SimpleNamespace(pad_token_id=PAD), [EOS]
+    tr.ref_model = types.SimpleNamespace(name="pi_ref")
+    tr._pending_extra_logs, tr._pending_metrics = {}, {}
+    tr._logs = {"prompt": deque(), "completion": deque(), "rewards": defaultdict(deque), "advantages": deque(), "extra": defaultdict(deque)}
+
+    lengths, ids = case["lengths"], case["ids"]
+    logps = case["logps"][:, P:].clone().requires_grad_(True)  # [B, T]: the leaf, completion positions
+    ref, old = case["ref"][:, P:], case["old"][:, P:]
+    calls: list[str] = []
+
+    def generate(prompts: list) -> tuple:
+        completion_ids = [ids[b, : lengths[b]].tolist() for b in range(B)]
+        return [[5, 6, 7]] * B, completion_ids, None, ["c"] * B, None, {}, None, None
+
+    def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, **kw: Any) -> tuple:
+        assert logits_to_keep == T, (logits_to_keep, T)
+        if model is tr.ref_model:
+            calls.append("ref")
+            return ref.clone(), None, None
+        if not torch.is_grad_enabled():
+            calls.append("old")
+            return old.clone(), None, None
+        calls.append("policy")
+        return logps, torch.zeros_like(logps), None
+
+    tr._generate = generate
+    tr._calculate_rewards = lambda inputs, prompts, completions, ids_list: case["rewards"][:, None].clone()  # [B, 1] one reward function
+    tr._get_per_token_logps_and_entropies = logps_and_entropies
+    inputs = [{"prompt": f"prompt {b // G}"} for b in range(B)]  # TRL's sampler repeats each prompt G times, consecutively
+    out = GRPOTrainer._generate_and_score_completions(tr, inputs)
+    loss = GRPOTrainer._compute_loss(tr, tr.model, out)
+    loss.backward()
+    grad = torch.zeros_like(case["logps"])
+    grad[:, P:] = logps.grad
+    return {"loss": float(loss.detach()), "grad": grad, "advantages": out["advantages"].double(), "calls": calls}
+
+
+def _pair_order(B: int) -> torch.Tensor:
+    """TRL's layout, chosen rows then rejected rows, as indices into gcfamily's interleaved pairs."""
+    return torch.cat([torch.arange(0, B, 2), torch.arange(1, B, 2)])
+
+
+def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", precompute_ref_log_probs=True, **row.trl)
+    tr = _bare(DPOTrainer, args)
+    tr.beta, tr.precompute_ref_logps, tr.loss_types = args.beta, True, args.loss_type
+    tr.loss_weights = args.loss_weights or [1.0] * len(tr.loss_types)
+    tr.ld_alpha, tr.f_divergence_type, tr.f_alpha_divergence_coef = args.ld_alpha, args.f_divergence_type, args.f_alpha_divergence_coef
+    tr.label_smoothing, tr.use_weighting, tr._total_train_tokens, tr._tp_size = args.label_smoothing, args.use_weighting, 0, 1
+
+    B = case["logps"].shape[0]
+    order = _pair_order(B)
+    mask = case["loss_mask"][order]  # [B, L] TRL's completion_mask
+    leaf = case["logps"].clone().requires_grad_(True)  # [B, L] gcfamily's layout
+    ref_sum = (case["ref"] * case["loss_mask"]).sum(-1)[order]  # [B]
+
+    def model(**kw: Any) -> types.SimpleNamespace:
+        labels = kw["labels"]
+        log_probs = (leaf[order] * mask)[:, 1:]  # [B, L-1]: TRL's fused head gives 0 where labels are -100
+        assert torch.equal(labels[:, 1:] != -100, mask[:, 1:].bool())
+        zeros = torch.zeros_like(log_probs).detach()
+        return types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None)
+
+    inputs = {"input_ids": case["ids"][order], "attention_mask": torch.ones_like(mask), "completion_mask": mask,
+              "ref_chosen_logps": ref_sum[: B // 2], "ref_rejected_logps": ref_sum[B // 2 :]}
+    loss = DPOTrainer._compute_loss(tr, model, inputs, return_outputs=False)
+    loss.backward()
+    return {"loss": float(loss.detach()), "grad": leaf.grad}
+
+
+def trl_simpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    args = CPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", **row.trl)
+    tr = _bare(CPOTrainer, args)
+    tr.beta, tr.label_smoothing, tr.loss_type, tr.cpo_alpha, tr.alpha = args.beta, args.label_smoothing, args.loss_type, args.cpo_alpha, args.alpha
+    tr.simpo_gamma, tr.is_encoder_decoder, tr.pad_token_id = args.simpo_gamma, False, PAD
+
+    B, L = case["logps"].shape
+    order = _pair_order(B)
+    leaf = case["logps"].clone().requires_grad_(True)  # [B, L]
+
+    def model(input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool = False) -> types.SimpleNamespace:
+        # position t-1 predicts token t; two classes [x, log(1 - e^x)] have log-softmax exactly x at class 0 (the label)
+        x = torch.cat([leaf[order][:, 1:], torch.full((B, 1), -1.0, dtype=leaf.dtype)], 1)  # [B, L]
+        return types.SimpleNamespace(logits=torch.stack([x, torch.log(-torch.expm1(x))], -1))  # [B, L, 2]
+
+    labels = torch.where(case["loss_mask"].bool(), 0, -100)  # [B, L]: class 0 is the taken token
+    batch = {f"{side}_{k}": v[i::2] for side, i in (("chosen", 0), ("rejected", 1))
+             for k, v in (("input_ids", case["ids"]), ("attention_mask", torch.ones_like(labels)), ("labels", labels))}
+    loss, _ = CPOTrainer.get_batch_loss_metrics(tr, model, batch)
+    loss.backward()
+    return {"loss": float(loss.detach()), "grad": leaf.grad}
+
+
+# ----------------------------------------------------------------------------------
+# gcfamily's side: the method class, as gcf run builds it and the trainer runs it
+
+
+def build_method(spec: str, sets: str, shared: dict[str, Any], check: bool = True) -> Method:
+    """The method of `--method spec --set sets`, typed, with its own defaults and (unless check=False) validated."""
+    cls = EXTENSIONS.get(spec) or get_method(spec)
+    given = {**shared, **parse_sets(tuple(sets.split()))}
+    cfg = apply(Config(), {"method": cls.name, **given}, "trl_parity")
+    object.__setattr__(cfg, "explicit", sorted(given))
+    resolve_settings(cfg, cls)
+    validate(cfg)
+    cls.apply_setting_defaults(cfg)
+    if check:
+        cls.validate(cfg)
+    return cls(cfg)
+
+
+class _Services:
+    """What GRPO.prepare reads from the trainer: the no-grad log-probs of pi_old and pi_ref."""
+
+    def __init__(self, old: torch.Tensor, ref: torch.Tensor) -> None:
+        self.old, self.ref = old, ref
+
+    def unwrapped_policy(self) -> str:
+        return "policy"
+
+    def logprobs(self, model: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        return (self.ref if model == "reference" else self.old).clone()
+
+
+def _step(method: Method, batch: Batch, logps0: torch.Tensor) -> dict[str, Any]:
+    """One step as gcfamily/trainer.py runs it (one micro-batch): Z, GC, the weighted loss, its backward."""
+    Z = engine.normaliser([batch], method.norm, method.cfg.norm_constant)
+    logps = logps0.clone().requires_grad_(True)
+    coef = method.coefficient(batch, logps.detach())  # [B, L]
+    engine.weighted_loss(coef, logps, batch, method.norm, Z).backward()
+    objective = float(method.objective(batch, logps0, Z))
+    return {"loss": -objective, "grad": logps.grad}
+
+
+def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
+    B = N_PROMPTS * G
+    method = build_method(row.method, row.sets, {"group_size": G}, row.validated)
+    lengths = case["lengths"]
+    pos = torch.arange(P + T)[None]
+    loss_mask = ((pos >= P) & (pos < P + lengths[:, None])).long()  # [B, P+T]
+    method.trainer = _Services(case["old"], case["ref"])  # what setup() would have given prepare
+    method.ref = "reference" if method.settings.beta > 0 else None
+    batch: Batch = {"input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1), "attention_mask": torch.ones(B, P + T, dtype=torch.long),
+                    "loss_mask": loss_mask, "rewards": case["rewards"].clone(), "valid": torch.ones(B, dtype=torch.bool)}
+    batch = method.prepare(batch)
+    out = _step(method, batch, case["logps"])
+    out["advantages"] = batch["advantages"].double()
+    return out
+
+
+def gcf_pairs(row: Row, case: dict) -> dict[str, Any]:
+    method = build_method(row.method, row.sets, {}, row.validated)
+    B = case["logps"].shape[0]
+    batch: Batch = {"input_ids": case["ids"], "attention_mask": torch.ones_like(case["loss_mask"]), "loss_mask": case["loss_mask"],
+                    "example_weight": torch.full((B,), 0.5)}
+    if method.uses_reference:
+        batch["ref_logps"] = case["ref"] * case["loss_mask"]
+    return _step(method, batch, case["logps"])
+
+
+# ----------------------------------------------------------------------------------
+# the comparison
+
+
+def coverage(case: dict, advantages: torch.Tensor, eps_low: float, eps_high: float) -> dict[str, int]:
+    """Branches the GRPO case reaches with these advantages: clipped tokens on each side, equal-reward
+    groups, tokens past gcfamily's KL clamp, padded and truncated rows (independent of both implementations)."""
+    lengths = case["lengths"]
+    mask = torch.arange(T)[None] < lengths[:, None]  # [B, T]
+    r = torch.exp(case["logps"] - case["old"])[:, P:]
+    A = advantages[:, None]
+    kl_d = (case["ref"] - case["logps"])[:, P:].abs()
+    groups = case["rewards"].view(N_PROMPTS, G)
+    return {"clip_low": int(((A < 0) & (r < 1 - eps_low) & mask).sum()), "clip_high": int(((A > 0) & (r > 1 + eps_high) & mask).sum()),
+            "equal_groups": int((groups.amax(-1) == groups.amin(-1)).sum()), "past_clamp": int(((kl_d > 20) & mask).sum()),
+            "padded_rows": int((lengths < T).sum()), "truncated_rows": int((~case["ends"]).sum())}
+
+
+def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any]:
+    """Max |loss diff|, max |grad diff| (and |advantage diff| for GRPO) between TRL and gcfamily on one random case."""
+    with tempfile.TemporaryDirectory() if workdir is None else contextlib.nullcontext(workdir) as wd:
+        if row.kind == "grpo":
+            case = grpo_case(seed)
+            trl, gcf = trl_grpo(row, case, wd), gcf_grpo(row, case)
+        else:
+            case = pair_case(seed)
+            trl = (trl_dpo if row.kind == "dpo" else trl_simpo)(row, case, wd)
+            gcf = gcf_pairs(row, case)
+    res = {"row": row.name, "loss_diff": abs(trl["loss"] - gcf["loss"]), "grad_diff": float((trl["grad"] - gcf["grad"]).abs().max()),
+           "grad_scale": float(trl["grad"].abs().max()), "adv_diff": None}
+    if row.kind == "grpo":
+        res["adv_diff"] = float((trl["advantages"] - gcf["advantages"]).abs().max())
+        res["trl_calls"] = trl["calls"]  # which log-probs TRL's own code asked for: pi_old, pi_ref, pi
+        if "old" in trl["calls"] and row.trl.get("importance_sampling_level", "token") == "token":
+            eps = row.trl.get("epsilon", 0.2)
+            res["coverage"] = coverage(case, trl["advantages"], eps, row.trl.get("epsilon_high") or eps)
+    worst = max(res["loss_diff"], res["grad_diff"], res["adv_diff"] or 0.0)
+    res["ok"] = worst <= TOL if row.expect == "match" else worst >= CONTROL_MIN
+    return res
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=3, help="random cases per row")
+    ap.add_argument("--rows", default="", help="comma-separated substrings of row names (default: every row)")
+    a = ap.parse_args(argv)
+    try:
+        import trl
+    except ImportError:
+        print("TRL is not installed (pip install trl==1.16.0 \"torch==2.13.0\"); nothing to compare.")
+        return 0
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=r".*`gradient_checkpointing` is deprecated", category=FutureWarning)
+    rows = [r for r in ROWS if not a.rows or any(s in r.name for s in a.rows.split(","))]
+    print(f"TRL {trl.__version__}, torch {torch.__version__}, float64; {a.seeds} random case(s) per row; tolerance {TOL:g}")
+    print(f"{'row':<62} {'expect':<6} {'|loss diff|':>11} {'|grad diff|':>11} {'|adv diff|':>10} {'max|grad|':>9}  status")
+    failed = 0
+    cov: dict[str, int] = defaultdict(int)
+    with tempfile.TemporaryDirectory() as wd:
+        for row in rows:
+            results = [compare(row, seed, wd) for seed in range(a.seeds)]
+            ld, gd = max(r["loss_diff"] for r in results), max(r["grad_diff"] for r in results)
+            ad = [r["adv_diff"] for r in results if r["adv_diff"] is not None]
+            ok = all(r["ok"] for r in results)
+            failed += not ok
+            for r in results:
+                for k, v in r.get("coverage", {}).items():
+                    cov[k] += v
+            adv = f"{max(ad):10.2e}" if ad else f"{'-':>10}"
+            status = ("ok" if ok else "FAIL") + ("" if row.expect == "match" else " (differs, as expected)" if ok else " (control matched)")
+            print(f"{row.name:<62} {row.expect:<6} {ld:11.2e} {gd:11.2e} {adv} {max(r['grad_scale'] for r in results):9.2e}  {status}")
+    print("GRPO cases reached: " + ", ".join(f"{k} {v}" for k, v in cov.items()) + " (summed over rows and seeds)")
+    print(f"{len(rows) - failed} of {len(rows)} rows as expected" + ("" if not failed else f"; {failed} FAILED"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
