@@ -163,8 +163,11 @@ ROWS: list[Row] = [
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2}, "gspo",
         "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4"),
     Row("GSPO beta=0.04 use_bias_correction_kl=False [subclass]", "grpo",
-        {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04, "use_bias_correction_kl": False, **MU2}, "gspo",
-        "mu=2 beta=0.04 std_eps=1e-4 kl_estimator=k3 kl_clamp=none"),
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.04,
+         "use_bias_correction_kl": False, **MU2}, "gspo", "mu=2 beta=0.04 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 kl_estimator=k3 kl_clamp=none"),
+    Row("luspo importance_sampling_level=sequence [subclass]", "grpo",
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2}, "gspo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 loss_norm=sum"),
     Row("grpo delta=1.5 [subclass]", "grpo", {"loss_type": "grpo", "delta": 1.5, "beta": 0.04, **MU2}, "grpo-delta",
         "mu=2 delta=1.5 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
     # -- preference losses
@@ -451,17 +454,21 @@ def gcf_pairs(row: Row, case: dict) -> dict[str, Any]:
 # the comparison
 
 
-def coverage(case: dict, advantages: torch.Tensor, eps_low: float, eps_high: float) -> dict[str, int]:
-    """Branches the GRPO case reaches with these advantages: clipped tokens on each side, equal-reward
-    groups, tokens past gcfamily's KL clamp, padded and truncated rows (independent of both implementations)."""
+def coverage(case: dict, advantages: torch.Tensor, eps_low: float, eps_high: float, level: str = "token") -> dict[str, int]:
+    """Branches the GRPO case reaches with these advantages: clipped tokens (or, at the sequence level, rows) on
+    each side, equal-reward groups, tokens past gcfamily's KL clamp, padded and truncated rows (computed here,
+    independently of both implementations)."""
     lengths = case["lengths"]
-    mask = torch.arange(T)[None] < lengths[:, None]  # [B, T]
-    r = torch.exp(case["logps"] - case["old"])[:, P:]
-    A = advantages[:, None]
+    mask = tokens = torch.arange(T)[None] < lengths[:, None]  # [B, T]
+    log_r = (case["logps"] - case["old"])[:, P:]  # [B, T]
+    if level == "sequence":
+        log_r = ((log_r * mask).sum(-1) / lengths)[:, None]  # [B, 1]: GSPO's log s_i
+        mask = torch.ones_like(log_r, dtype=torch.bool)
+    r, A = torch.exp(log_r), advantages[:, None]
     kl_d = (case["ref"] - case["logps"])[:, P:].abs()
     groups = case["rewards"].view(N_PROMPTS, G)
     return {"clip_low": int(((A < 0) & (r < 1 - eps_low) & mask).sum()), "clip_high": int(((A > 0) & (r > 1 + eps_high) & mask).sum()),
-            "equal_groups": int((groups.amax(-1) == groups.amin(-1)).sum()), "past_clamp": int(((kl_d > 20) & mask).sum()),
+            "equal_groups": int((groups.amax(-1) == groups.amin(-1)).sum()), "past_clamp": int(((kl_d > 20) & tokens).sum()),
             "padded_rows": int((lengths < T).sum()), "truncated_rows": int((~case["ends"]).sum())}
 
 
@@ -480,9 +487,10 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
     if row.kind == "grpo":
         res["adv_diff"] = float((trl["advantages"] - gcf["advantages"]).abs().max())
         res["trl_calls"] = trl["calls"]  # which log-probs TRL's own code asked for: pi_old, pi_ref, pi
-        if "old" in trl["calls"] and row.trl.get("importance_sampling_level", "token") == "token":
+        if "old" in trl["calls"]:  # pi_old != pi
             eps = row.trl.get("epsilon", 0.2)
-            res["coverage"] = coverage(case, trl["advantages"], eps, row.trl.get("epsilon_high") or eps)
+            level = row.trl.get("importance_sampling_level", "token")
+            res["coverage"] = coverage(case, trl["advantages"], eps, row.trl.get("epsilon_high") or eps, level)
     worst = max(res["loss_diff"], res["grad_diff"], res["adv_diff"] or 0.0)
     res["ok"] = worst <= TOL if row.expect == "match" else worst >= CONTROL_MIN
     return res
@@ -518,7 +526,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             adv = f"{max(ad):10.2e}" if ad else f"{'-':>10}"
             status = ("ok" if ok else "FAIL") + ("" if row.expect == "match" else " (differs, as expected)" if ok else " (control matched)")
             print(f"{row.name:<62} {row.expect:<6} {ld:11.2e} {gd:11.2e} {adv} {max(r['grad_scale'] for r in results):9.2e}  {status}")
-    print("GRPO cases reached: " + ", ".join(f"{k} {v}" for k, v in cov.items()) + " (summed over rows and seeds)")
+    print("GRPO cases reached (summed over rows and seeds; clips count tokens, or rows for a sequence ratio): "
+          + ", ".join(f"{k} {v}" for k, v in cov.items()))
     print(f"{len(rows) - failed} of {len(rows)} rows as expected" + ("" if not failed else f"; {failed} FAILED"))
     return 1 if failed else 0
 
