@@ -139,6 +139,8 @@ ROWS: list[Row] = [
     Row("grpo", "grpo", {"loss_type": "grpo", **MU2}, "grpo", "mu=2 std_eps=1e-4 beta=0"),
     Row("grpo beta=0.04 (bias-corrected KL)", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
         "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
+    Row("grpo beta=0.04 as --method grpo-direct-kl", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo-direct-kl",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_clamp=none"),
     Row("grpo beta=0.04 use_bias_correction_kl=False", "grpo", {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False, **MU2},
         "grpo", "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none"),
     Row("grpo scale_rewards=batch", "grpo", {"loss_type": "grpo", "scale_rewards": "batch", **MU2}, "grpo",
