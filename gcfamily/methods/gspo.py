@@ -1,0 +1,70 @@
+"""GSPO: GRPO's group advantage with one importance ratio per sequence, clipped per sequence.
+
+Objective (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071, eq. 5), maximised:
+
+    J    = aggregate_i[ min(s_i A_i, clip(s_i, 1 - eps, 1 + eps_high) A_i) ]  -  beta * aggregate_t[ KL_t ]
+    s_i  = (pi(o_i) / pi_old(o_i)) ** (1 / |o_i|) = exp( (1/|o_i|) sum_t log(pi(o_t) / pi_old(o_t)) )
+    A_i  = GRPO's group advantage; KL_t = GRPO's KL term (settings kl_estimator, kl_clamp; beta 0 by default)
+
+aggregate_i weighs sequence i's term by the sum of its tokens' aggregation weights: with loss_norm=sequence
+(the default) that is the paper's 1/G sum_i. The coefficient follows from d s_i / d logp_t = s_i / |o_i|:
+
+    GC = s_i * A_i * 1[s_i not clipped]  -  beta * dKL_t/dlogp_t
+    clipped = (A_i > 0 and s_i > 1 + eps_high) or (A_i < 0 and s_i < 1 - eps)
+
+(clipped.py's g_t = dr/dlogp_t * (sum of the row's weights) / w_t is s_i under every loss_norm, since w_t is
+constant along a row.) With one pass over one minibatch pi_old is pi, s_i = 1 and GSPO's gradient is GRPO's;
+the paper splits each rollout batch into four minibatches (--set num_minibatches=4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from gcfamily.methods.base import Batch
+from gcfamily.methods.clipped import kl_value
+from gcfamily.methods.grpo import GRPO
+
+
+class GSPO(GRPO):
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): s_i = exp(mean_t log(pi/pi_old)) clipped per sequence, GRPO's A_i.
+
+    GC = s_i * A_i * 1[s_i not clipped] - beta * dKL_t/dlogp_t (derivation in the module docstring).
+    """
+
+    name = "gspo"
+    gc_formula = "s_i * A_i * 1[s_i not clipped] + beta * (pi_ref/pi - 1),  s_i = exp(mean_t log(pi/pi_old))"
+    ratio_level = "sequence"
+    metric_prefix = "gspo"
+
+    @dataclass
+    class Settings(GRPO.Settings):
+        beta: float = 0.0
+        """KL weight to the frozen reference; GSPO's paper trains without a KL term (0 loads no reference)."""
+        epsilon: float = 3e-4
+        """Lower clip range of the sequence ratio: s_i is clipped below at 1 - epsilon (the paper's 3e-4, section 5.1)."""
+        epsilon_high: Optional[float] = 4e-4
+        """Upper clip range of the sequence ratio: s_i is clipped above at 1 + epsilon_high (the paper's 4e-4)."""
+
+    def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_i on every token of o_i [B, L], its GC factor s_i): the geometric mean of the token ratios."""
+        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        log_r = (logps - self._old(batch, logps)) * mask  # [B, L]
+        s = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
+        return s.expand_as(logps), s.expand_as(logps)
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        log_r = logps - self._old(batch, logps)  # [B, L] token log-ratios
+        s = torch.exp((log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1))  # [B]
+        adv = batch["advantages"].float()  # [B]
+        lo, hi = self.clip_range()
+        per_seq = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)  # [B]
+        J = self.aggregate(per_seq[:, None] * mask, batch, Z)  # sequence i weighs sum_t w_t
+        if self.kl_in_loss(batch):
+            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            J = J - self.settings.beta * self.aggregate(kl_value(self.kl_name, log_rho, log_r) * mask, batch, Z)
+        return J
