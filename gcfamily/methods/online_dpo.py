@@ -1,0 +1,82 @@
+"""Online DPO: DPO's loss on pairs the policy samples itself, ranked by the reward.
+
+Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback" (arXiv:2402.04792): each step
+samples G completions per prompt from the current policy (OnPolicy's data source), scores them with the
+reward (the paper asks an LLM annotator; here the task's reward, --reward or --reward-model), and trains on
+the pair (best, worst) of each prompt with DPO's loss against the frozen initial policy pi_ref:
+
+    h(o) = beta * sum_t log(pi(o_t) / pi_ref(o_t)),   J = -sum_pairs -log sigmoid(h(o_w) - h(o_l)) / Z
+    GC   = +beta * sigmoid(h_l - h_w) on o_w's tokens, the negative on o_l's          (DPO's, dpo.py)
+
+o_w is the prompt's highest-scored valid sample and o_l its lowest (the first of equals). A prompt whose
+valid rewards are all equal (or that has fewer than two) forms no pair: its two rows stay in the batch with
+valid=False, so they get no gradient and no place in Z, every process keeps the same number of rows, and
+the count is logged (online_dpo/skipped_prompts). Layout, normalisation (sum, Z = pairs) and the hooks
+`rewards`/`pair_loss` are DPO's; log-probs, the policy's and pi_ref's, are at the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from einops import rearrange, repeat
+
+from gcfamily.config import Config
+from gcfamily.data import select
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Batch
+from gcfamily.methods.dpo import DPO
+from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
+
+
+class OnlineDPO(DPO, OnPolicy):
+    """Online DPO (Guo et al. 2024, arXiv:2402.04792): OnPolicy's samples, paired best vs worst, DPO's GC."""
+
+    name = "online-dpo"
+    data_source = "the policy's own samples: G per prompt, the best and worst by reward form a pair"
+    gc_formula = "+beta*sigmoid(h_l - h_w) on the best sample's tokens, the negative on the worst's; h = beta*sum_t log(pi/pi_ref)"
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)  # DPO's: beta > 0, loss_norm sum
+        if cfg.group_size < 2:
+            raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
+
+    def setup(self, trainer: Any) -> None:
+        OnPolicy.setup(self, trainer)  # prompts and the reward; DPO's offline pairs are not loaded
+        self.ref = trainer.reference()  # pi_ref: the policy as it is before any step
+
+    data = OnPolicy.data
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> Batch:
+        G = self.cfg.group_size
+        rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
+        valid = rearrange(batch["valid"].bool(), "(n g) -> n g", g=G)  # [n, G]
+        skip = all_equal_groups(rewards, valid)  # [n]
+        best = rewards.masked_fill(~valid, -math.inf).argmax(-1)  # [n]
+        worst = rewards.masked_fill(~valid, math.inf).argmin(-1)  # [n]
+        start = torch.arange(rewards.shape[0]) * G  # [n]
+        pairs = select(batch, torch.stack([start + best, start + worst], 1).flatten())  # [2n]: chosen 2i, rejected 2i+1
+        pairs["valid"] = repeat(~skip, "n -> (n two)", two=2)  # [2n]
+        pairs["example_weight"] = torch.full((2 * len(skip),), 0.5)  # [2n]: a pair is one example
+        pairs["ref_logps"] = self.trainer.logprobs(self.ref, pairs, self.logprob_temperature())  # type: ignore[union-attr]
+        kept = ~skip
+        gap = rewards.gather(1, best[:, None]) - rewards.gather(1, worst[:, None])  # [n, 1]
+        pairs["stat/online_dpo/skipped_prompts"] = float(skip.sum())
+        pairs["stat/online_dpo/reward_gap"] = float(gap[kept].mean()) if kept.any() else 0.0
+        return pairs
+
+    def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
+        """DPO's objective over the pairs formed (a skipped prompt's rows are valid=False)."""
+        keep = batch["valid"].bool().nonzero().flatten()
+        return DPO.objective(self, select(batch, keep), logps[keep], Z)
+
+    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
+        keep = batch["valid"].bool().nonzero().flatten()
+        if not len(keep):
+            return {}
+        out = DPO.metrics(self, select(batch, keep), logps[keep], coef[keep])
+        return {k.replace("dpo/", "online_dpo/", 1): v for k, v in out.items()}
