@@ -50,6 +50,9 @@ CASES = {
     "grpo-beta0": {"method": "grpo", "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "beta": 0.0, "lr": 1e-6},
 }
 SEED = 0
+# TRL 1.16's GRPO loss as gcfamily settings (docs/trl-mapping.md, checked by benchmarks/trl_parity.py): the group std
+# plus 1e-4, and the KL as the importance-weighted k3, unclamped; the rest of the case is matched one to one
+MATCH_TRL = {"grpo": {"std_eps": 1e-4, "kl_estimator": "k3-importance-weighted", "kl_clamp": None}}
 
 
 def rss_mb() -> float:
@@ -88,7 +91,8 @@ def run_gcfamily(case: dict, model: str, steps: int, out: Path, extra: dict) -> 
 
     cfg = resolve(None, dict(method=case["method"], model=model, task="arithmetic", seed=SEED, device="cpu", dtype="float32",
                              max_steps=steps, batch_size=case["batch_size"], lr=case["lr"],
-                             beta=case.get("beta", 0.04), group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
+                             group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
+                             **({"beta": case["beta"]} if "beta" in case else {}), **MATCH_TRL.get(case["method"], {}),
                              temperature=1.0, top_p=1.0, top_k=0, grad_clip=1.0, max_length=1024, eval_at_ends=False, progress=False,
                              save_every=0, keep_last=1, output_dir=str(out), overwrite=True) | extra)  # all given: no method default replaces them
     trainer = Trainer(cfg)

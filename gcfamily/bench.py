@@ -120,22 +120,37 @@ def default_methods() -> list[str]:
 
 def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: str, budget: dict[str, Any],
                  sets: dict[str, str], out: Path) -> dict[str, Any]:
-    """Settings of one method's run: common, the method's recipe, the budget, then --set (KEY or METHOD.KEY)."""
+    """Settings of one method's run: common, the method's recipe, the budget, then --set (KEY or METHOD.KEY).
+
+    A plain KEY reaches every method that has that setting (a shared one, or one of its own: `beta` is GRPO's
+    KL weight and DPO's temperature, and SFT has none); `check_sets` refuses a key no method of the suite has."""
+    from gcfamily.config import resolve, setting_names, validate
+
     s: dict[str, Any] = {"method": spec, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
                          "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
     s.update(suite["common"])
     s.update(suite["methods"].get(name, {}))
     s.update(budget)
+    own = setting_names(spec)
     for key, value in sets.items():
         target, _, field = key.rpartition(".")
-        if not target:
+        if not target and key.replace("-", "_") in own:
             s[key] = value
         elif target == name:
             s[field] = value
-    from gcfamily.config import resolve, validate
 
     validate(resolve(None, s))  # unknown keys and bad values fail here, before any run starts
     return s
+
+
+def check_sets(sets: dict[str, str], methods: list[str]) -> None:
+    """A plain --set KEY that no method of the suite has is one sentence (METHOD.KEY is checked by that method)."""
+    from gcfamily.config import setting_names
+
+    known = set().union(*(setting_names(m) for m in methods))
+    for key in sets:
+        if "." not in key and key.replace("-", "_") not in known:
+            raise GcfError(f"Unknown setting '{key}': no method of this suite ({', '.join(methods)}) has it; see `gcf settings --method M`.")
 
 
 # ----------------------------------------------------------------------------------
@@ -304,6 +319,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     names = {spec: method_name(spec) for spec in methods}
     if len(set(names.values())) != len(names):
         raise GcfError(f"--methods names a method twice ({', '.join(methods)}).")
+    check_sets(sets, methods)
     plans = {names[s]: {"method_spec": s, "settings": run_settings(suite, s, names[s], model, task, stop, sets, out)} for s in methods}
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

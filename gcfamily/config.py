@@ -30,7 +30,7 @@ class Config:
 
     # --- what to run
     method: str = "sft"
-    """Method name (see `gcf methods`)."""
+    """Method: a name (see `gcf methods`), module:Class, path/to/file.py:Class, or a name an installed package registers."""
     model: str = "smollm2-135m"
     """Model alias (tiny, smollm2-135m, qwen-0.5b, ...), hub id or local folder."""
     task: Optional[str] = "arithmetic"
@@ -291,6 +291,16 @@ def settings_for(method_cls: Any, cfg: Config) -> Any:
                            f"the shared ones are listed by `gcf settings`.")
         values[k] = _coerce(own[k], v)
     return cls(**values)
+
+
+def setting_names(method: Any) -> set[str]:
+    """Every key `--set` takes for a method (a spec or a class): the shared settings and its own."""
+    if isinstance(method, str):
+        from gcfamily.methods import get_method
+
+        method = get_method(method)
+    own = {f.name for f in fields(getattr(method, "Settings", MethodSettings))}
+    return (set(FIELD_NAMES) - set(INTERNAL)) | own
 
 
 def resolve_settings(cfg: Config, method_cls: Any = None) -> Config:

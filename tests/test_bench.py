@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import metrics_rows
-from gcfamily.bench import DEFAULT_METHODS, SUITES, default_methods, method_name, parse_budget, run_settings
+from gcfamily.bench import DEFAULT_METHODS, SUITES, check_sets, default_methods, method_name, parse_budget, run_settings
 from gcfamily.config import resolve
 from gcfamily.errors import GcfError
 
@@ -96,6 +96,13 @@ def test_budget_and_settings_errors(gcf, tmp_path):
         parse_budget("weeks:2")
     s = resolve(None, run_settings(SUITES["quick"], "grpo", "grpo", "tiny", "arithmetic", {"max_steps": 3}, {"lr": "0.5", "dpo.beta": "0.3"}, tmp_path))
     assert s.lr == 0.5 and s.beta == 0.04 and s.max_steps == 3  # METHOD.KEY only reaches that method
+    # a plain KEY reaches the methods that have it: beta is GRPO's KL weight and DPO's temperature; SFT has none
+    sets = {"beta": "0.2"}
+    grpo, dpo, sft = (resolve(None, run_settings(SUITES["quick"], m, m, "tiny", "arithmetic", {"max_steps": 3}, sets, tmp_path)) for m in ("grpo", "dpo", "sft"))
+    assert grpo.beta == 0.2 and dpo.beta == 0.2 and "beta" not in sft.method_options
+    with pytest.raises(GcfError, match="no method of this suite"):
+        check_sets({"kl_estimator": "k1"}, ["sft", "dpo"])
+    check_sets({"kl_estimator": "k1"}, ["sft", "grpo"])
     code, _, err = gcf("bench", "--quick", "--budget", "weeks:2", "--out", str(tmp_path / "b"))
     assert code == 2 and "--budget 'weeks:2'" in err
     code, _, err = gcf("bench", "--quick", "--methods", "sft,nope", "--out", str(tmp_path / "b"))

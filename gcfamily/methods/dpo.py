@@ -201,7 +201,7 @@ class SimPO(DPO):
 
     h = (beta / |o|) sum_t log pi(o_t | q, o_<t),  loss = -log sigmoid(h_w - h_l - gamma).
     GC = +(beta / |o_w|) sigmoid(gamma - h_w + h_l) on o_w's tokens, -(beta / |o_l|) * the same on o_l's.
-    gamma is the paper's margin (simpo_gamma); TRL's CPO `simpo_gamma` is gamma / beta. No reference
+    gamma is the paper's margin (simpo_gamma), as TRL's CPO `simpo_gamma` (benchmarks/trl_parity.py). No reference
     model is loaded or run.
     """
 
@@ -212,7 +212,7 @@ class SimPO(DPO):
         beta: float = 2.0
         """SimPO's reward scale: h = (beta / |o|) sum_t log pi (no reference)."""
         simpo_gamma: float = 0.5
-        """SimPO's target reward margin gamma (TRL's CPO simpo_gamma is gamma / beta)."""
+        """SimPO's target reward margin gamma (the same number as TRL's CPO simpo_gamma)."""
 
     gc_formula = "+(beta/|o_w|)*sigmoid(gamma - h_w + h_l) on chosen tokens, -(beta/|o_l|)*the same on rejected; h = (beta/|o|)*sum_t log pi"
     uses_reference = False
