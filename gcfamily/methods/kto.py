@@ -125,8 +125,9 @@ class KTO(Method):
         batch["ref_logps"] = tr.logprobs(self.ref, batch)  # [B, L]
         d = ((tr.logprobs(tr.unwrapped_policy(), kl) - tr.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(-1)  # [B]
         total = torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)])
-        if tr.dist is not None:
-            total = tr.dist.all_sum(total)
+        env = getattr(tr, "dist", None)
+        if env is not None:
+            total = env.all_sum(total)
         kl_mean = float(total[0] / total[1])
         batch["kto_z0"] = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
         batch["stat/kto/kl"], batch["stat/kto/z0"] = kl_mean, batch["kto_z0"]

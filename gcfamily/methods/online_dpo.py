@@ -69,13 +69,19 @@ class OnlineDPO(DPO, OnPolicy):
         pairs["stat/online_dpo/reward_gap"] = float(gap[kept].mean()) if kept.any() else 0.0
         return pairs
 
+    @staticmethod
+    def formed(batch: Batch) -> torch.Tensor:
+        """Indices of the rows of formed pairs (all rows when the batch has no `valid`, as the engine reads it)."""
+        valid = batch.get("valid")
+        return torch.arange(len(batch["input_ids"])) if valid is None else valid.bool().nonzero().flatten()
+
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         """DPO's objective over the pairs formed (a skipped prompt's rows are valid=False)."""
-        keep = batch["valid"].bool().nonzero().flatten()
+        keep = self.formed(batch)
         return DPO.objective(self, select(batch, keep), logps[keep], Z)
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        keep = batch["valid"].bool().nonzero().flatten()
+        keep = self.formed(batch)
         if not len(keep):
             return {}
         out = DPO.metrics(self, select(batch, keep), logps[keep], coef[keep])
