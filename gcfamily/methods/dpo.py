@@ -133,7 +133,8 @@ class DPO(Method):
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         h, _ = self.rewards(batch, logps)
         loss, _ = self.pair_loss(h[0::2] - h[1::2])
-        return -loss.sum() / Z
+        kept = batch["valid"][0::2].to(loss.dtype) if "valid" in batch else torch.ones_like(loss)  # [P]: a masked pair counts nowhere
+        return -(loss * kept).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         h, _ = self.rewards(batch, logps)

@@ -22,7 +22,7 @@ settings scale_rewards (group | batch | none), std, std_eps, zero_std.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from einops import rearrange, repeat
@@ -42,6 +42,8 @@ class GRPO(ClippedOnPolicy):
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = (R_i - mean R) / std R over the group"
     default_norm = "sequence"
     metric_prefix = "grpo"
+    min_group_size: ClassVar[int] = 2
+    """The smallest G the advantage is defined for (a variant with a baseline of its own may take 1)."""
 
     @dataclass
     class Settings(ClippedOnPolicy.Settings):
@@ -68,8 +70,8 @@ class GRPO(ClippedOnPolicy):
                         (s.std_eps >= 0, "std_eps must be >= 0")]:
             if not ok:
                 raise GcfError(f"Invalid setting: {msg}.")
-        if cfg.group_size < 2:
-            raise GcfError(f"{cls.name} needs group_size >= 2: a group-relative advantage compares each sample with the others of its group.")
+        if cfg.group_size < cls.min_group_size:
+            raise GcfError(f"{cls.name} needs group_size >= {cls.min_group_size}: a group-relative advantage compares each sample with the others of its group.")
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)

@@ -38,6 +38,7 @@ class ReinforceBaseline(GRPO):
     data_source = "the policy's own samples (G per prompt), scored by the reward"
     gc_formula = "r_t * (R_i - b) * 1[not clipped] + beta * (pi_ref/pi - 1),  b = moving average of past mean rewards"
     metric_prefix = "reinforce"
+    min_group_size = 1  # the baseline is a running mean, not the group's: one sample per prompt is enough
 
     @dataclass
     class Settings(GRPO.Settings):
