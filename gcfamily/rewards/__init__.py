@@ -1,9 +1,10 @@
-"""Rewards: verifiable reward functions, loading user rewards, and calling them safely."""
+"""Rewards: verifiable reward functions, loading user rewards, and calling them safely (user ones in a worker process)."""
 
-from gcfamily.rewards.scoring import RewardFailure, load_reward, score
+from gcfamily.rewards.scoring import RewardFailure, Rewards, Scores, Term, as_rewards, load_reward, reward_specs, score
 from gcfamily.rewards.verifiable import (
     REWARDS,
     RewardFn,
+    completion_text,
     exact_match,
     extract_answer,
     format_reward,
@@ -17,6 +18,11 @@ __all__ = [
     "REWARDS",
     "RewardFailure",
     "RewardFn",
+    "Rewards",
+    "Scores",
+    "Term",
+    "as_rewards",
+    "completion_text",
     "exact_match",
     "extract_answer",
     "format_reward",
@@ -24,6 +30,7 @@ __all__ = [
     "numeric_match",
     "parse_number",
     "require_column",
+    "reward_specs",
     "score",
     "weighted_sum",
 ]

@@ -149,10 +149,12 @@ class RewardModel(nn.Module):
             self.train(was_training)
 
     def reward_fn(self, batch_size: int = 16) -> Any:
-        """A reward function with the standard signature fn(prompts, completions, **columns) -> list[float]."""
+        """A reward function fn(prompts, completions, **columns) -> list[float]; a completion may be a message list."""
 
-        def reward_model(prompts: list, completions: list[str], **columns: Any) -> list[float]:
-            return self.score(prompts, completions, batch_size)
+        from gcfamily.rewards.verifiable import completion_text
+
+        def reward_model(prompts: list, completions: list, **columns: Any) -> list[float]:
+            return self.score(prompts, [completion_text(c) for c in completions], batch_size)  # conversational: the message's text
 
         return reward_model
 

@@ -1,106 +1,61 @@
-"""Loading user reward functions and calling any reward function safely.
+"""Loading rewards and scoring samples with one or several of them, so that no reward can sink or pollute a batch.
 
-A sample whose reward raises, or is not a finite number, is masked (valid=False) and
-counted, never silently scored 0; a batch where every sample fails raises RewardFailure.
+A sample is valid when every reward gives it a finite number; its reward is then the weighted
+sum sum_k w_k r_k. A sample whose reward raised, returned None (TRL's "no reward"), a
+non-number or a non-finite value is masked (valid=False) and counted, never silently scored 0.
+
+Where each reward runs: built-in rewards (``numeric``, ``exact``, ``boxed``), a task's reward,
+a reward model and any function object passed in Python run in this process (they are ours,
+or the caller's own); a ``module:function`` or ``path/file.py:function`` reward runs in the
+reward worker process (guard.py), where a crash, ``sys.exit``, ``os._exit`` or a hang past
+``timeout`` fails that call's samples instead of ending the run.
+
+Conversational data: when a sample's prompt is a list of messages, its completion is given to
+the rewards as ``[{"role": "assistant", "content": text}]``, as TRL does.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
 from gcfamily.errors import GcfError
+from gcfamily.rewards.calling import call_values, load_user_reward, shorten, split_spec
 from gcfamily.rewards.verifiable import _FLOAT32_MAX, REWARDS, RewardFn, _name
 
 
 class RewardFailure(GcfError):
-    """Raised by ``score`` when a reward function fails on every sample of a batch."""
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def _import_file(path: Path) -> Any:
-    """Import a .py file as a module under a unique name, so two files called rewards.py do not clash."""
-    if not path.is_file():
-        raise GcfError(f"reward file '{path}' does not exist; give an existing .py file as path/file.py:function.")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    name = f"gcf_reward_{path.stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec, so dataclasses and pickling inside it work
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        why = _shorten(f"{type(err).__name__}: {err}")
-        raise GcfError(f"reward file '{path}' failed to import ({why}); fix the file.") from None
-    return module
+    """Raised when the rewards fail on every sample of a step (on every process, under torch.distributed)."""
 
 
 def load_reward(spec: str) -> RewardFn:
-    """Resolve a reward: a built-in name (see ``REWARDS``) or ``module:function``.
+    """Resolve a reward in this process: a built-in name (see ``REWARDS``) or ``module:function``.
 
-    ``module`` is a dotted module name or a path to a .py file, e.g.
-    ``my_rewards.py:length_penalty``.
+    ``module`` is a dotted module name or a path to a .py file, e.g. ``my_rewards.py:length_penalty``.
+    (`Rewards.from_specs` loads the same specs in the reward worker instead.)
     """
     if spec in REWARDS:
         return REWARDS[spec]
     if ":" not in spec:
         raise GcfError(f"unknown reward '{spec}'; use one of {', '.join(REWARDS)} or module:function.")
-    module_name, attr = spec.rsplit(":", 1)  # rsplit: a Windows path has a ':' of its own
-    if not module_name or not attr:
-        raise GcfError(f"reward '{spec}' is not of the form module:function; write e.g. rewards.py:my_reward.")
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        module = _import_file(Path(module_name))
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as err:
-            raise GcfError(
-                f"could not import reward module '{module_name}' ({type(err).__name__}: {err}); "
-                "install it or pass the path to its .py file instead."
-            ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise GcfError(f"reward module '{module_name}' has no attribute '{attr}'; check the function name.")
-    if not callable(fn):
-        raise GcfError(f"'{spec}' is a {type(fn).__name__}, not a function; point at a reward function.")
-    return fn
+    return load_user_reward(spec)
 
 
-# --------------------------------------------------------------------------- scoring
+def reward_specs(value: Any) -> list[str]:
+    """The `reward` setting as a list of specs: None -> [], "numeric" -> ["numeric"], a list as it is."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
-def _as_values(out: Any, n: int, name: str) -> list[Any]:
-    """The function's output as a list of n raw values; a wrong shape is the user's bug, so GcfError."""
-    if hasattr(out, "tolist"):  # torch tensors and numpy arrays
-        out = out.tolist()
-    if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence):
-        raise GcfError(
-            f"reward function '{name}' returned a {type(out).__name__}; "
-            "it must return a list with one float per completion."
-        )
-    if len(out) != n:
-        raise GcfError(
-            f"reward function '{name}' returned {len(out)} values for {n} completions; "
-            "it must return one per completion."
-        )
-    return list(out)
-
-
-def _shorten(text: str, limit: int = 200) -> str:
-    """Error text cut to a loggable length (a reward may echo a whole completion)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def as_completions(prompts: Sequence[Any], completions: Sequence[Any]) -> list[Any]:
+    """Each completion as the rewards see it: a message list where its prompt is one (TRL's conversational form)."""
+    return [[{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c for p, c in zip(prompts, completions)]
 
 
 def _as_reward(value: Any) -> float | None:
@@ -114,27 +69,155 @@ def _as_reward(value: Any) -> float | None:
     return value if math.isfinite(value) and abs(value) <= _FLOAT32_MAX else None
 
 
-def _call_each(
-    fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]], name: str
-) -> list[Any]:
-    """Call fn one sample at a time; a raising sample yields its exception instead of a value."""
-    values: list[Any] = []
-    for i in range(len(completions)):
-        try:
-            out = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
-        except GcfError:
-            raise
-        except Exception as err:
-            values.append(err)
-            continue
-        values.extend(_as_values(out, 1, name))
-    return values
+# --------------------------------------------------------------------------- several rewards
+
+
+@dataclass
+class Term:
+    """One reward of a `Rewards`: a function called here, or a spec called in the worker."""
+
+    name: str
+    fn: Optional[RewardFn] = None
+    spec: Optional[str] = None
+    weight: float = 1.0
+
+
+@dataclass
+class Scores:
+    """What scoring a batch gives: the weighted total, who is valid, why the others are not, and each reward alone."""
+
+    rewards: torch.Tensor  # [N] float32, sum_k w_k r_k where valid, 0 elsewhere
+    valid: torch.Tensor  # [N] bool, every reward valid
+    errors: list[str]  # one per invalid sample: its first failing reward's message
+    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (r_k [N], valid_k [N])
+    failed_by: list[str] = field(default_factory=list)  # per invalid sample, the name of its first failing reward
+
+    def failure_message(self) -> str:
+        """One sentence for a batch where every sample failed, naming the function(s)."""
+        names = list(dict.fromkeys(self.failed_by))
+        who = f"reward function '{names[0]}'" if len(names) == 1 else "reward functions " + ", ".join(f"'{n}'" for n in names)
+        return f"{who} failed on all {len(self.valid)} samples (first: {self.errors[0]}); fix the function or its input columns."
+
+    def stats(self) -> dict[str, float]:
+        """Mean and std of each reward over the samples it scored, for the log (reward/<name>/mean, /std)."""
+        out = {}
+        for name, (r, ok) in self.per_reward.items():
+            mean, std = mean_std(r, ok)
+            out[f"reward/{name}/mean"], out[f"reward/{name}/std"] = mean, std
+        return out
+
+
+def mean_std(r: torch.Tensor, ok: torch.Tensor) -> tuple[float, float]:
+    """Mean and (population) std of r over the samples where ok."""
+    w = ok.double()
+    n = max(float(w.sum()), 1.0)
+    mean = float((r.double() * w).sum()) / n
+    return mean, math.sqrt(float((((r.double() - mean) * w) ** 2).sum()) / n)
+
+
+class Rewards:
+    """Several rewards with weights, scored together; callable as one reward function (the weighted sum, None where invalid)."""
+
+    def __init__(self, terms: Sequence[Term], worker: Any = None) -> None:
+        if not terms:
+            raise GcfError("no reward was given; pass --reward NAME (repeatable) or a task with a reward.")
+        self.terms = list(terms)
+        self.worker = worker  # guard.RewardWorker for the terms given as specs
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[str], weights: Sequence[float] = (), timeout: float = 0.0) -> "Rewards":
+        """Built-in names run here; module:function and file.py:function in one worker process (timeout per call)."""
+        weights = list(weights) or [1.0] * len(specs)
+        if len(weights) != len(specs):
+            raise GcfError(f"reward_weights has {len(weights)} values for {len(specs)} rewards; give one weight per reward.")
+        terms, taken = [], set()
+        for spec, w in zip(specs, weights):
+            if spec not in REWARDS and ":" not in spec:
+                load_reward(spec)  # the unknown-name sentence
+            name = spec if spec in REWARDS else split_spec(spec)[1]
+            base, k = name, 2
+            while name in taken:  # two rewards of the same name keep apart in the log
+                name, k = f"{base}_{k}", k + 1
+            taken.add(name)
+            terms.append(Term(name, fn=REWARDS.get(spec), spec=None if spec in REWARDS else spec, weight=float(w)))
+        user = [t.spec for t in terms if t.spec is not None]
+        worker = None
+        if user:
+            from gcfamily.rewards.guard import RewardWorker
+
+            worker = RewardWorker(list(dict.fromkeys(user)), timeout)
+        return cls(terms, worker)
+
+    def close(self) -> None:
+        """End the worker process, if any."""
+        if self.worker is not None:
+            self.worker.close()
+
+    def _values(self, term: Term, prompts: list, completions: list, ids: Any, columns: dict, should_stop: Any) -> tuple[list, dict]:
+        if term.spec is not None:
+            return self.worker.call(term.spec, term.name, prompts, completions, ids, columns, should_stop)
+        return call_values(term.fn, term.name, prompts, completions, ids, columns)
+
+    def score(
+        self, prompts: Sequence[Any], completions: Sequence[str], completion_ids: Optional[Sequence[list[int]]] = None,
+        columns: Optional[dict[str, Sequence[Any]]] = None, should_stop: Optional[Callable[[], bool]] = None,
+    ) -> Scores:
+        """Score N samples with every reward; never raises for a failing sample (see `Scores`), only for the user's setup."""
+        n, columns = len(completions), dict(columns or {})
+        if len(prompts) != n:
+            raise GcfError(f"got {len(prompts)} prompts for {n} completions; pass one prompt per completion.")
+        for key, col in columns.items():
+            if len(col) != n:
+                raise GcfError(f"column '{key}' has {len(col)} values for {n} completions; align it with the prompts.")
+        if completion_ids is not None and len(completion_ids) != n:
+            raise GcfError(f"got {len(completion_ids)} completion_ids for {n} completions; pass one per completion.")
+        for reserved in ("prompts", "completions", "completion_ids"):
+            columns.pop(reserved, None)  # the call's own arguments win over a column of the same name
+        prompts, shown = list(prompts), as_completions(prompts, completions)
+        ids = None if completion_ids is None else [list(x) for x in completion_ids]
+        total = torch.zeros(n, dtype=torch.float64)  # [N]
+        valid = torch.ones(n, dtype=torch.bool)  # [N]
+        first_error: dict[int, tuple[str, str]] = {}  # sample -> (reward name, message)
+        per_reward = {}
+        for term in self.terms:
+            values, raised = self._values(term, prompts, shown, ids, columns, should_stop)
+            r = torch.zeros(n, dtype=torch.float64)  # [N]
+            ok = torch.zeros(n, dtype=torch.bool)  # [N]
+            for i, value in enumerate(values):
+                reward = None if i in raised else _as_reward(value)
+                if reward is None:
+                    why = raised[i] if i in raised else f"returned {shorten(repr(value))}"
+                    first_error.setdefault(i, (term.name, f"reward function '{term.name}' {why} on sample {i}"))
+                else:
+                    r[i], ok[i] = reward, True
+            per_reward[term.name] = (r.float(), ok)
+            total += term.weight * r
+            valid &= ok
+        valid &= total.abs() <= _FLOAT32_MAX  # a weighted sum past float32's range would be inf
+        total = torch.where(valid, total, torch.zeros_like(total)).float()
+        for i in range(n):
+            if not valid[i] and i not in first_error:
+                first_error[i] = ("weighted sum", f"the weighted sum of the rewards overflows float32 on sample {i}")
+        failed = [first_error[i] for i in sorted(first_error)]
+        return Scores(total, valid, [m for _, m in failed], per_reward, [k for k, _ in failed])
+
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list[Optional[float]]:
+        """The weighted sum per completion, None where a reward failed (TRL's convention)."""
+        ids = columns.pop("completion_ids", None)
+        s = self.score(prompts, completions, ids, columns)
+        return [float(r) if ok else None for r, ok in zip(s.rewards.tolist(), s.valid.tolist())]
+
+
+def as_rewards(fn: Any) -> Rewards:
+    """A `Rewards` as it is; any other reward function as a single reward called in this process."""
+    return fn if isinstance(fn, Rewards) else Rewards([Term(_name(fn), fn=fn)])
 
 
 def score(
-    fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence[Any]]
+    fn: RewardFn, prompts: list[Any], completions: list[str], columns: dict[str, Sequence[Any]],
+    completion_ids: Optional[Sequence[list[int]]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Call a reward function so that one bad sample cannot sink, or silently pollute, a batch.
+    """Call one reward function so that one bad sample cannot sink, or silently pollute, a batch.
 
     Returns ``rewards`` [N] float32, ``valid`` [N] bool and one error message per
     invalid sample. If the batch call raises, each sample is retried alone. A
@@ -143,32 +226,7 @@ def score(
     when every sample is invalid, and ``GcfError`` when the function returns the
     wrong number of values.
     """
-    n, name = len(completions), _name(fn)
-    if len(prompts) != n:
-        raise GcfError(f"got {len(prompts)} prompts for {n} completions; pass one prompt per completion.")
-    for key, col in columns.items():
-        if len(col) != n:
-            raise GcfError(f"column '{key}' has {len(col)} values for {n} completions; align it with the prompts.")
-    try:
-        values = _as_values(fn(prompts, completions, **columns), n, name)
-    except GcfError:
-        raise
-    except Exception:
-        values = _call_each(fn, prompts, completions, columns, name)
-
-    rewards = torch.zeros(n, dtype=torch.float32)  # [N]
-    valid = torch.zeros(n, dtype=torch.bool)  # [N]
-    errors: list[str] = []
-    for i, value in enumerate(values):
-        reward = None if isinstance(value, Exception) else _as_reward(value)
-        if reward is None:
-            why = f"raised {type(value).__name__}: {value}" if isinstance(value, Exception) else f"returned {value!r}"
-            errors.append(f"reward function '{name}' {_shorten(why)} on sample {i}")
-        else:
-            rewards[i], valid[i] = reward, True
-    if n and not valid.any():
-        raise RewardFailure(
-            f"reward function '{name}' failed on all {n} samples (first: {errors[0]}); "
-            "fix the function or its input columns."
-        )
-    return rewards, valid, errors
+    s = as_rewards(fn).score(prompts, completions, completion_ids, columns)
+    if len(s.valid) and not s.valid.any():
+        raise RewardFailure(s.failure_message())
+    return s.rewards, s.valid, s.errors

@@ -1,11 +1,13 @@
-"""Verifiable rewards: answer extraction, reward functions, and a safe way to call them.
+"""Verifiable rewards: answer extraction and the built-in reward functions.
 
-Every reward function has the TRL signature
+A reward function is called TRL's way (calling.py has the rules):
 
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+    fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
 
-where each extra column (e.g. ``answer``) is a list aligned with ``prompts``.
-``score`` is the only way the trainer calls one: it never lets a raising or
+where each extra column (e.g. ``answer``) is a list aligned with ``prompts``; the old positional
+``fn(prompts, completions, **columns)`` works too. A completion is a string, or a message list
+``[{"role": "assistant", "content": text}]`` for conversational prompts: the built-ins read both.
+``scoring.Rewards`` is the only way the trainer calls one: it never lets a raising or
 NaN-returning sample be scored silently, it returns a ``valid`` mask instead.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from gcfamily.errors import GcfError
+from gcfamily.rewards.calling import call_reward
 
 RewardFn = Callable[..., list[float]]
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -139,9 +142,16 @@ def parse_number(s: Any) -> float | None:
 # --------------------------------------------------------------------------- reward functions
 
 
+def completion_text(completion: Any) -> Any:
+    """The text of a completion: itself, or the contents of a message list ([{"role": "assistant", "content": ...}]) joined."""
+    if isinstance(completion, list) and all(isinstance(m, dict) for m in completion):
+        return "".join(str(m.get("content", "")) for m in completion)
+    return completion
+
+
 def _numeric_value(completion: str) -> float | None:
     """The completion's answer as a number: the extracted answer, or the last number inside it ("\\boxed{x = 5}")."""
-    answer = extract_answer(completion)
+    answer = extract_answer(completion_text(completion))
     if answer is None:
         return None
     value = parse_number(answer)
@@ -156,7 +166,7 @@ def require_column(columns: dict[str, Any], name: str, reward: str, n: int) -> S
     if name not in columns:
         raise GcfError(
             f"the reward '{reward}' needs a column '{name}' with the reference for each prompt; "
-            f"add it to the dataset (got columns: {sorted(columns) or 'none'})."
+            f"add it to the dataset (got columns: {sorted(k for k in columns if k != 'completion_ids') or 'none'})."
         )
     col = columns[name]
     if len(col) != n:
@@ -190,8 +200,9 @@ def exact_match(prompts: list[str], completions: list[str], **columns: Any) -> l
     refs = require_column(columns, "answer", "exact", len(completions))
     out = []
     for completion, ref in zip(completions, refs):
-        got = extract_answer(completion)
-        got = completion if got is None else got
+        text = completion_text(completion)
+        got = extract_answer(text)
+        got = text if got is None else got
         out.append(float(str(got).strip() == str(ref).strip()))
     return out
 
@@ -210,7 +221,8 @@ def format_reward(pattern: str, fullmatch: bool = False) -> RewardFn:
     match = regex.fullmatch if fullmatch else regex.search
 
     def fn(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
-        return [float(match(c.strip() if fullmatch else c) is not None) for c in completions]
+        texts = [completion_text(c) for c in completions]
+        return [float(match(c.strip() if fullmatch else c) is not None) for c in texts]
 
     fn.__name__ = fn.__qualname__ = f"format({pattern!r})"
     return fn
@@ -221,7 +233,10 @@ def _name(fn: Any) -> str:
 
 
 def weighted_sum(terms: Sequence[tuple[RewardFn, float]]) -> RewardFn:
-    """A reward function returning sum_k weight_k * fn_k(...) per completion."""
+    """A reward function returning sum_k weight_k * fn_k(...) per completion, each fn_k called by calling.call_reward's rules.
+
+    (The trainer's ``reward=[a, b]`` with ``reward_weights`` sums the same way and logs each reward apart.)
+    """
     terms = list(terms)
     if not terms:
         raise GcfError("weighted_sum got no terms; pass a list of (reward_function, weight) pairs.")
@@ -230,9 +245,10 @@ def weighted_sum(terms: Sequence[tuple[RewardFn, float]]) -> RewardFn:
             raise GcfError(f"weighted_sum term ({term!r}, {weight!r}) is not a (function, finite weight) pair; fix it.")
 
     def fn(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        ids = columns.pop("completion_ids", None)
         total = [0.0] * len(completions)
         for term, weight in terms:
-            values = list(term(prompts, completions, **columns))
+            values = list(call_reward(term, _name(term), prompts, completions, ids, columns))
             if len(values) != len(completions):
                 raise GcfError(
                     f"reward function '{_name(term)}' returned {len(values)} values for {len(completions)} "
