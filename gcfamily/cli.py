@@ -63,7 +63,8 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 @click.option("--set", "sets", multiple=True, help="Override any setting: --set key=value (repeatable).")
 @click.option("--max-steps", type=int)
 @click.option("--output-dir", type=str)
-@click.option("--reward", help="Reward: built-in name or module:function.")
+@click.option("--reward", multiple=True, callback=lambda _ctx, _p, v: (v[0] if len(v) == 1 else list(v)) if v else None,
+              help="Reward: built-in name, module:function or file.py:function; repeat for several (weights: --set reward_weights=[1,0.5]).")
 @click.option("--reward-model", help="Folder of a trained reward model.")
 @click.option("--seed", type=int)
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, help="Continue from the newest checkpoint (or from PATH).")

@@ -117,8 +117,15 @@ class Config:
     """Top-k sampling (0 = off)."""
     stop_strings: list = field(default_factory=list)
     """Strings that end a completion."""
-    reward: Optional[str] = None
-    """Reward: a built-in name or module:function; None takes the task's reward."""
+    reward: Optional[str | list] = None
+    """Reward(s): a built-in name (numeric, exact, boxed), module:function or path/file.py:function, or a list of them
+    (--reward repeated, reward=[a,b]) summed with reward_weights; None takes the task's reward. Built-ins, the task's reward
+    and a reward model run in the trainer's process; module:function and file.py:function run in a worker process, where
+    an exception, sys.exit, os._exit or a hang fails the call's samples (counted in reward/failed) instead of ending the run."""
+    reward_weights: list = field(default_factory=list)
+    """Weight of each reward in `reward`, in order: the reward is sum_k w_k r_k (each r_k logged as reward/<name>/mean and /std); empty = 1 each."""
+    reward_timeout: float = 300.0
+    """Seconds one call of a module:function or file.py:function reward may take; past it, all the call's samples fail (0 = no limit)."""
     reward_model: Optional[str] = None
     """Folder of a trained reward model to score completions with."""
 
@@ -368,6 +375,8 @@ def resolve(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
 
 def validate(cfg: Config) -> None:
     """Range checks shared by every method; a method checks its own fields in Method.validate."""
+    rewards = [] if cfg.reward is None else [cfg.reward] if isinstance(cfg.reward, str) else cfg.reward
+    n_rewards = len(rewards) if isinstance(rewards, (list, tuple)) and rewards else 1  # the task's or a reward model's is one
     checks = [
         (cfg.max_steps >= 0, "max_steps must be >= 0"),
         (cfg.max_time >= 0 and cfg.max_tokens >= 0, "max_time and max_tokens must be >= 0 (0 = no limit)"),
@@ -391,6 +400,12 @@ def validate(cfg: Config) -> None:
         (cfg.save_every >= 0 and cfg.keep_last >= 1, "save_every must be >= 0 and keep_last >= 1"),
         (cfg.norm_constant > 0, "norm_constant must be > 0"),
         (cfg.lora_r >= 0, "lora_r must be >= 0 (0 = full fine-tuning)"),
+        (isinstance(rewards, (list, tuple)) and (cfg.reward is None or bool(rewards)) and all(isinstance(x, str) and x.strip() for x in rewards),
+         "reward must be a reward name (numeric, module:function, path/file.py:function) or a list of them"),
+        (all(isinstance(w, (int, float)) and not isinstance(w, bool) and -float("inf") < w < float("inf") for w in cfg.reward_weights),
+         f"reward_weights={cfg.reward_weights} must be a list of finite numbers"),
+        (len(cfg.reward_weights) in (0, n_rewards), f"reward_weights has {len(cfg.reward_weights)} values for {n_rewards} reward(s); give one weight per reward"),
+        (cfg.reward_timeout >= 0, "reward_timeout must be >= 0 seconds (0 = no limit)"),
     ]
     for ok, msg in checks:
         if not ok:

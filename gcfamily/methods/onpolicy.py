@@ -5,17 +5,18 @@ samples (`prepare`) and in their coefficient; the data source is this one class:
 
     prompts  = batch_size rows of the task's train split, picked by (seed, step)
     rollout  = rollout.generate(policy, G samples per prompt, trainer.generator)
-    rewards  = rewards.score(self.reward_fn, ...)   # a raising sample: valid=False, counted
+    rewards  = self.reward_fn.score(...)   # sum_k w_k r_k; a failing sample: valid=False, counted
 
 A sample whose reward failed keeps its row but has valid=False, so the engine gives it no
-gradient and leaves it out of the normaliser Z. If every sample of a step fails, the run
-stops with one sentence naming the reward function (rewards.RewardFailure).
+gradient and leaves it out of the normaliser Z. If every sample of a step fails, on every
+process, the run stops with one sentence naming the reward function (rewards.RewardFailure).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from gcfamily.config import Config
 from gcfamily.data import load_rows, prompt_ids
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
-from gcfamily.rewards import RewardFn, load_reward, score
+from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
 from gcfamily.rollout import SamplingSettings, generate
 
 
@@ -57,23 +58,27 @@ class OnPolicy(Method):
             max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop_strings),
         )
 
-    def build_reward_fn(self) -> RewardFn:
-        """The reward hook: --reward-model DIR, --reward (built-in name or module:function), else the task's reward.
+    def build_reward_fn(self) -> Rewards:
+        """The reward hook: --reward-model DIR, --reward (one or several, weighted by reward_weights), else the task's reward.
 
-        A trained reward model (`gcf run --method reward-model`) is a function with the same
-        signature fn(prompts, completions, **columns) -> list[float], scoring in batches without grad.
+        A trained reward model (`gcf run --method reward-model`), the task's reward and the built-in
+        rewards run in this process; module:function and file.py:function rewards run in a worker
+        process (rewards/guard.py), each call limited to reward_timeout seconds.
         """
         cfg, task = self.cfg, self.trainer.task  # type: ignore[union-attr]
+        specs = reward_specs(cfg.reward)
+        weight = float(cfg.reward_weights[0]) if cfg.reward_weights else 1.0  # a single reward's weight
         if cfg.reward_model:
-            if cfg.reward:
+            if specs:
                 raise GcfError(f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model.")
             from gcfamily.rewards.model import load_reward_model
 
-            return load_reward_model(cfg.reward_model, self.trainer.device, self.trainer.dtype, cfg.micro_batch_size)  # type: ignore[union-attr]
-        if cfg.reward:
-            return load_reward(cfg.reward)
+            fn = load_reward_model(cfg.reward_model, self.trainer.device, self.trainer.dtype, cfg.micro_batch_size)  # type: ignore[union-attr]
+            return Rewards([Term("reward_model", fn=fn, weight=weight)])
+        if specs:
+            return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
         if task is not None and not cfg.dataset:
-            return task.reward
+            return Rewards([Term(task.name or "task", fn=task.reward, weight=weight)])
         raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for --dataset {cfg.dataset}.")
 
     # -- the data source -------------------------------------------------------------
@@ -93,7 +98,19 @@ class OnPolicy(Method):
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
-        rewards, valid, errors = score(self.reward_fn, prompts, ro.completions, columns)  # [N], [N]
+        ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]  # TRL's completion_ids: sampled tokens, EOS included
+        stopping = lambda: getattr(trainer, "_stop_signal", None) is not None  # noqa: E731  SIGTERM/Ctrl-C: a running user reward is abandoned
+        t0 = time.perf_counter()
+        scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)
+        reward_s = time.perf_counter() - t0
+        rewards, valid, errors = scored.rewards, scored.valid, scored.errors  # [N], [N]
+        # Every sample failed? Decided over all processes: one rank's failures alone leave it a step without gradient,
+        # and a run that is stopping anyway (its samples abandoned) stops at its checkpoint instead.
+        counts = torch.tensor([float(valid.sum()), float(stopping())])
+        if getattr(trainer, "dist", None) is not None:
+            counts = trainer.dist.all_sum(counts)
+        if len(valid) and counts[0] == 0 and counts[1] == 0:
+            raise RewardFailure(scored.failure_message())
         ok = valid.float()
         n_ok = max(float(ok.sum()), 1.0)
         mean = float((rewards * ok).sum()) / n_ok
@@ -110,6 +127,8 @@ class OnPolicy(Method):
             "stat/reward/mean": mean,
             "stat/reward/std": math.sqrt(float((((rewards - mean) * ok) ** 2).sum()) / n_ok),
             "stat/reward/failed": float(len(errors)),
+            **{f"stat/{k}": v for k, v in (scored.stats() if len(scored.per_reward) > 1 else {}).items()},  # reward/<name>/mean, /std
+            "stat/time/reward_s": reward_s,
             "stat/completion/length_mean": float(lengths.mean()),
             "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
         }
