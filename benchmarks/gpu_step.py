@@ -8,6 +8,9 @@ tokens for each no-grad reference/old forward).
 
 Usage (on a CUDA machine, from the repository root):
     PYTHONPATH=. python3 benchmarks/gpu_step.py --model DIR [--steps 4] [--methods grpo,sft,dpo]
+    PYTHONPATH=. python3 benchmarks/gpu_step.py --model qwen2.5-0.5b-shaped --methods grpo,grpo-lora   # full vs LoRA r=16
+`qwen2.5-0.5b-shaped` is a random Qwen2ForCausalLM from Qwen2.5-0.5B's published config
+(benchmarks/memory.py writes it once under the cache folder).
 DIR is a Hugging Face checkpoint folder (or an alias); `--random-init DIR` first writes a
 randomly initialised copy of the architecture in DIR's config.json (for machines that
 cannot load the real weights; timings depend on shapes, not on weight values, except that a
@@ -105,12 +108,18 @@ def main() -> None:
     a = ap.parse_args()
     if a.random_init:
         random_init(Path(a.model))
+    model = a.model
+    if model == "qwen2.5-0.5b-shaped":
+        from memory import model_source  # benchmarks/ is on sys.path when this file runs as a script
+
+        model = model_source(model)
     device = "cpu" if a.cpu_smoke else "cuda"
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
     rate = matmul_rate(torch.bfloat16) if device == "cuda" else 1e12
     print(f"bf16 matmul rate (8192^3, measured): {rate / 1e12:.0f} TFLOP/s")
     settings = {
         "grpo": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.04),
+        "grpo-lora": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.04, lora_r=16, lora_alpha=32.0),
         "grpo-beta0": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.0),
         "sft": dict(batch_size=64, micro_batch_size=64),
         "dpo": dict(batch_size=32, micro_batch_size=64, beta=0.1),
@@ -118,7 +127,7 @@ def main() -> None:
     results = []
     for m in a.methods.split(","):
         extra = settings.get(m, {})
-        r = run_method(m.replace("-beta0", ""), a.model, a.steps, extra, device)
+        r = run_method(m.replace("-beta0", "").replace("-lora", ""), model, a.steps, extra, device)
         r["method"] = m
         r["fraction_of_bf16_matmul"] = r["train_flops_per_s"] / rate
         results.append(r)
