@@ -407,7 +407,7 @@ def _place_clip_and_kl(m: Method, world: World, signs: list[int], tb: dict, gen:
     world.ref_offset[FAR, world.positions(FAR)[0]] = -25.0  # |log pi_ref/pi| past any clamp
 
 
-def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """On-policy groups (GRPO and its variants): the method's setup and prepare on 4 prompts x G scored samples,
     after one warm-up step (prepare, after_step) that sets any running state such as a baseline."""
     m, stub = _onpolicy(cls, settings, world)
@@ -421,7 +421,7 @@ def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Gen
     return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
 
 
-def build_ppo(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_ppo(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """PPO: its prepare (values, token rewards, GAE, whitening) with a stub critic in place of setup's model."""
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
@@ -442,7 +442,7 @@ def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None,
         world.ref_offset[w, world.positions(w)[0]] += d - target
 
 
-def build_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """Offline preference pairs (DPO and its variants): chosen at 2i, rejected at 2i+1, example weight 1/2."""
     m = make(cls, settings)
     pairs = [(2 * k, 2 * k + 1) for k in range(N // 2)]
@@ -472,7 +472,7 @@ def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubTrainer, m: Met
     return Textbook(t.J, br, t.required | {"failed rewards", "prompts skipped (equal rewards)"})
 
 
-def build_online_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_online_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """Online DPO: the method's setup and prepare pair its own scored samples."""
     m, stub = _onpolicy(cls, settings, world)
     _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
@@ -498,7 +498,7 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubTr
     return Textbook(-loss.sum() / len(r), br, set(br))
 
 
-def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int = 0) -> Built:
+def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """KTO: rows 0..7 labelled alternately, rows 8..15 the mismatched pairs of z0; prepare on the stub trainer."""
     m = make(cls, settings)
     stub = StubTrainer(m.cfg, world, 1.0)
@@ -516,7 +516,7 @@ def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.G
     return Built(m, batch, None if tb is None else (lambda lp: _kto_textbook(lp, raw, kl_rows, stub, m)))
 
 
-def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """Rejection sampling: the method's prepare keeps the valid samples whose reward clears the threshold."""
     m, stub = _onpolicy(cls, settings, world)
     m.setup(stub)  # type: ignore[arg-type]
@@ -532,7 +532,7 @@ def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Gener
     return Built(m, batch, None if tb is None else textbook)
 
 
-def build_demonstrations(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None) -> Built:
+def build_demonstrations(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
     """SFT: fixed rows of several lengths; J is the log-likelihood under the method's aggregation."""
     m, rows = make(cls, settings), world.rows(range(N // 2))
 
@@ -551,12 +551,16 @@ class Family:
     name: str
     build: Callable[..., Built]
     cases: Callable[[type[Method]], list[tuple[str, dict]]]
+    textbook: str
+    """What the textbook states, in a line (`gcf check` prints it)."""
     hooks: dict[str, dict[str, str]] = field(default_factory=dict)
-    """hook -> {class that defines it: what the textbook calls it}; another definer is the user's own."""
+    """hook -> {class that defines it: its textbook name}; a hook defined elsewhere is the user's own."""
+    clipped: bool = False
+    """Whether the ratio is GRPO/PPO's: per token, or per sequence with ratio_level=sequence (GSPO)."""
 
 
 def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
-    beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]
+    beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
     return [("defaults", {}), ("clip and KL", {"mu": 2, "beta": beta}),
             ("minibatches, k1, batch std", {"num_minibatches": 2, "beta": beta, "kl_estimator": "k1", "scale_rewards": "batch", "std_eps": 1e-4, "std": "population"}),
             ("k2 unclamped, no std, sum", {"mu": 2, "beta": beta, "kl_estimator": "k2", "kl_clamp": None, "scale_rewards": "none", "loss_norm": "sum"}),
@@ -564,31 +568,41 @@ def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
             ("KL in the reward, constant", {"mu": 2, "beta": 0.02, "kl_placement": "reward", "kl_estimator": "k1", "loss_norm": "constant", "norm_constant": 3.0})]
 
 
+def _short(q: str) -> str:
+    return q.rsplit(".", 1)[-1]
+
+
 CLIP_HOOKS = {"clip_range": {CLIP_: ""}, "clipped": {CLIP_: ""}, "kl_in_loss": {CLIP_: ""}, "kl_reward": {CLIP_: ""}}
+SURROGATE = "min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t (k1, k2, k3, k3-iw by definition, clamped as set), r per token or sequence"
+PAIR_LOSSES = {("DPO", "DPO"): "dpo", ("DPO", "IPO"): "ipo", ("DPO", "ConservativeDPO"): "cdpo", ("SimPO", "SimPO"): "simpo", ("ORPO", "ORPO"): "orpo"}
+PAIR_HOOKS = {"rewards": {DPO_: "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""},
+              "pair_loss": {DPO_: "", M + "dpo.IPO": "", M + "dpo.ConservativeDPO": "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""}}
 FAMILIES: dict[str, Family] = {
     M + "kto.KTO": Family("unpaired labels (KTO)", build_unpaired,
                           lambda c: [("defaults", {}), ("weights and beta", {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7})],
-                          {"prepare": {M + "kto.KTO": ""}, "coefficient": {M + "kto.KTO": ""}}),
+                          "lambda_y (1 - sigmoid(+-beta (r - z0))), z0 = max(0, mean KL of mismatched rows), held constant",
+                          {"prepare": {M + "kto.KTO": ""}}),
     M + "online_dpo.OnlineDPO": Family("online pairs", build_online_pairs, lambda c: [("defaults", {}), ("beta 0.5", {"beta": 0.5})],
-                                       {"prepare": {M + "online_dpo.OnlineDPO": ""}, "rewards": {DPO_: "dpo"}, "pair_loss": {DPO_: "dpo"}}),
+                                       "the pair loss on each prompt's best and worst valid sample; equal prompts form none",
+                                       {"prepare": {M + "online_dpo.OnlineDPO": ""}, **PAIR_HOOKS}),
     DPO_: Family("preference pairs", build_pairs,
                  lambda c: [("defaults", {}), ("other beta and loss settings", {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5})],
-                 {"rewards": {DPO_: "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""},
-                  "pair_loss": {DPO_: "dpo", M + "dpo.IPO": "ipo", M + "dpo.ConservativeDPO": "cdpo", M + "dpo.SimPO": "simpo", M + "orpo.ORPO": "orpo"}}),
+                 "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio) averaged over pairs", PAIR_HOOKS),
     PPO_: Family("on-policy samples with a critic (PPO)", build_ppo,
                  lambda c: [("defaults", {}), ("clip and KL", {"mu": 2}), ("KL in the reward, GAE 0.9/0.8", {"mu": 2, "kl_placement": "reward", "gamma": 0.9, "lam": 0.8}),
                             ("minibatches, k2 clamp 0.5, sequence", {"num_minibatches": 2, "kl_estimator": "k2", "kl_clamp": 0.5, "loss_norm": "sequence"}),
                             ("k3-iw unclamped", {"mu": 2, "kl_estimator": "k3-importance-weighted", "kl_clamp": None})],
-                 {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS}),
-    GRPO_: Family("on-policy groups", build_groups, _group_cases,
-                  {"group_advantages": {GRPO_: "group", M + "grpo_variants.RLOO": "leave-one-out", RB_: "running baseline"},
+                 SURROGATE + "; A = whitened GAE on the critic's values", {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS}, True),
+    GRPO_: Family("on-policy groups", build_groups, _group_cases, SURROGATE + "; A from the rewards",
+                  {"group_advantages": {GRPO_: "group-relative", M + "grpo_variants.RLOO": "leave-one-out", RB_: "running baseline"},
                    "equal_reward_groups": {GRPO_: "", RB_: ""}, "add_advantages": {GRPO_: ""}, "token_advantages": {GRPO_: ""},
-                   "prepare": {GRPO_: ""}, "after_step": {GRPO_: "", RB_: ""}, **CLIP_HOOKS}),
+                   "prepare": {GRPO_: ""}, "after_step": {GRPO_: "", RB_: ""}, **CLIP_HOOKS}, True),
     M + "rft.RFT": Family("kept samples (rejection sampling)", build_kept,
                           lambda c: [("defaults", {}), ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"})],
-                          {"prepare": {M + "rft.RFT": ""}}),
+                          "the log-likelihood of the valid samples whose reward clears the threshold", {"prepare": {M + "rft.RFT": ""}}),
     M + "sft.SFT": Family("demonstrations", build_demonstrations,
-                          lambda c: [("defaults", {}), ("sequence", {"loss_norm": "sequence"}), ("sum", {"loss_norm": "sum"})]),
+                          lambda c: [("defaults", {}), ("sequence", {"loss_norm": "sequence"}), ("sum", {"loss_norm": "sum"})],
+                          "the log-likelihood under the method's aggregation"),
 }
 
 
@@ -598,7 +612,7 @@ def family_of(cls: type[Method]) -> Family | None:
 
 
 def textbook_for(cls: type[Method]) -> tuple[dict | None, str]:
-    """(what the textbook uses, '') or (None, the sentence naming the hook it does not know)."""
+    """(the textbook's choices, '') or (None, one sentence naming the hook it does not know)."""
     fam = family_of(cls)
     assert fam is not None
     tb: dict[str, str] = {}
@@ -606,10 +620,15 @@ def textbook_for(cls: type[Method]) -> tuple[dict | None, str]:
         where = _definer(cls, hook)
         if where not in known:
             return None, (f"{cls.__name__}.{hook} is its own (defined in {where}); the textbook of the {fam.name} family "
-                          f"restates only {', '.join(k.rsplit('.', 1)[-1] for k in known)}'s, so it is checked against its own objective only")
+                          f"restates only {', '.join(_short(k) for k in known)}'s {hook}")
         if known[where]:
-            tb[{"group_advantages": "advantage", "pair_loss": "loss"}.get(hook, hook)] = known[where]
-    if fam.name in ("on-policy groups", "on-policy samples with a critic (PPO)"):
+            tb["advantage"] = known[where]
+    if "pair_loss" in fam.hooks:
+        combo = (_short(_definer(cls, "rewards")), _short(_definer(cls, "pair_loss")))
+        if combo not in PAIR_LOSSES:
+            return None, f"{cls.__name__} pairs {combo[0]}'s rewards with {combo[1]}'s pair_loss, a loss the textbook does not state"
+        tb["loss"] = PAIR_LOSSES[combo]
+    if fam.clipped:
         where = _definer(cls, "importance_ratio")
         if cls.ratio_level == "sequence":  # GSPO's s_i = exp(mean_t log pi/pi_old), whoever writes it
             tb["ratio"] = "sequence"
@@ -617,17 +636,8 @@ def textbook_for(cls: type[Method]) -> tuple[dict | None, str]:
             tb["ratio"] = "token"
         else:
             return None, (f"{cls.__name__}.importance_ratio is its own (defined in {where}) at ratio_level={cls.ratio_level}; the textbook "
-                          "knows the token ratio pi/pi_old and the sequence ratio exp(mean_t log pi/pi_old) (ratio_level=sequence)")
-    if "loss" in tb and fam.hooks.get("rewards"):
-        tb["loss"] = {"SimPO": "simpo", "ORPO": "orpo"}.get(_definer(cls, "rewards").rsplit(".", 1)[-1], tb["loss"])
+                          "knows the token ratio pi/pi_old and GSPO's sequence ratio exp(mean_t log pi/pi_old) (ratio_level=sequence)")
     return tb, ""
-
-
-def describe(cls: type[Method], tb: dict | None) -> str:
-    if tb is None:
-        return "none"
-    parts = [f"{k} {v}" for k, v in tb.items()]
-    return ", ".join(parts) or "the family's"
 
 
 # ----------------------------------------------------------------------------- running the checks
@@ -683,8 +693,7 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     assert fam is not None
     gen = torch.Generator().manual_seed(seed)
     world = World(N, gen)
-    extra = {"seed": seed} if fam.build is build_unpaired else {}
-    built = fam.build(cls, settings, world, gen, tb, **extra)
+    built = fam.build(cls, settings, world, gen, tb, seed)
     m, batch = built.method, built.batch
     tau = m.logprob_temperature()
     ids, B = batch["row_id"], batch["input_ids"].shape[0]
@@ -735,11 +744,13 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     onehot = F.one_hot(batch["input_ids"], V).double()
     soft = torch.softmax(world.logits[ids] / tau, -1)
     closed = torch.zeros_like(world.logits).index_add_(0, ids, -(gc * w / Z)[..., None] * (onehot - soft) / tau)
-    _diff("(b) d loss/d logits vs textbook GC * w/Z * (onehot - softmax)", X.grad.double(), closed, TOL_B, out, seed)
+    source = "textbook" if built.textbook is not None else "own objective"
+    _diff(f"(b) d loss/d logits vs {source} GC * w/Z * (onehot - softmax)", X.grad.double(), closed, TOL_B, out, seed)
     coef = torch.cat([c.double() * mb["loss_mask"] for c, mb in zip(coefs, mbs)])
     scale = float(gc[on].abs().max()) if on.any() else 0.0
     d = float((coef - gc)[on].abs().max()) if on.any() else 0.0
-    out.diffs["    GC of the method vs textbook GC (float32 log-probs)"] = (max(out.diffs.get("    GC of the method vs textbook GC (float32 log-probs)", (0, 0))[0], d), scale)
+    name = f"    GC: the method's vs the {source}'s (float32 log-probs)"
+    out.diffs[name] = (max(out.diffs.get(name, (0.0, 0.0))[0], d), scale)
 
 
 def check_no_policy(cls: type[Method], out: Outcome) -> None:
@@ -812,23 +823,32 @@ def _source(cls: type) -> str:
 def report(spec: str, cls: type[Method], outcomes: list[Outcome]) -> tuple[str, bool]:
     """The text `gcf check` prints, and whether every case passed."""
     fam = family_of(cls)
-    tb, why = textbook_for(cls) if fam is not None and getattr(cls, "trains_policy", True) else ({}, "")
-    lines = [f"gcf check {spec}: {cls.__qualname__} from {_source(cls)}",
-             f"family: {fam.name if fam else 'trains no policy'}; textbook: {describe(cls, tb) if not why else 'none: ' + why}"]
+    lines = [f"gcf check {spec}: {cls.__qualname__} from {_source(cls)}"]
+    why = ""
+    if fam is None or not getattr(cls, "trains_policy", True):
+        lines.append("trains no policy: its coefficient must be 0 and its objective constant in the policy")
+    else:
+        tb, why = textbook_for(cls)
+        lines.append(f"family: {fam.name}; batches from its own setup and prepare on a stub trainer")
+        lines.append(f"textbook: none: {why}; checked against its own objective only" if why else
+                     f"textbook: {fam.textbook}" + (f" [{', '.join(f'{k}: {v}' for k, v in tb.items())}]" if tb else ""))
     for o in outcomes:
         status = "ok" if o.ok else ("refused" if o.refused else "FAILED")
         lines.append(f"case {o.label} {o.settings or '(its defaults)'}: {status}")
         if o.refused:
             lines.append(f"  the method refuses these settings: {o.refused}")
         for name, (d, scale) in o.diffs.items():
-            lines.append(f"  {name:<64} max |diff| {d:.2e}  (largest entry {scale:.2e})")
+            lines.append(f"  {name:<62} max |diff| {d:.2e}  (largest entry {scale:.2e})")
         if o.branches:
             lines.append("  branches: " + ", ".join(f"{k} {n}" for k, n in sorted(o.branches.items()) if n))
-        for f in o.failures:
-            lines.append(f"  FAILED {f}")
+        lines += [f"  FAILED {f}" for f in o.failures]
         if o.missing:
             lines.append(f"  FAILED branches that did not occur on the check's batch: {', '.join(o.missing)}")
     ok = all(o.ok for o in outcomes)
+    if any(k.startswith("(a) engine vs textbook") for o in outcomes for k in o.failed) and not any(
+            k.startswith("(a) engine vs own") for o in outcomes for k in o.failed):
+        lines.append("hint: the engine agrees with the class's own objective but not with the textbook: both share a mistake, "
+                     "or the rule changes the objective itself, which the textbook of its family does not state")
     lines.append(("passed" if ok else "failed") + f": {sum(o.ok for o in outcomes)} of {len(outcomes)} cases"
                  + (" (against the method's own objective only)" if why else ""))
     return "\n".join(lines), ok

@@ -44,7 +44,7 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
 def test_a_file_rule_passes_at_the_sequence_level(gcf) -> None:
     code, out, err = gcf("check", f"{EXAMPLE}:GSPO")
     assert code == 0, out + err
-    assert "ratio sequence" in out and "sequences clipped high" in out and "sequences clipped low" in out
+    assert "ratio: sequence" in out and "sequences clipped high" in out and "sequences clipped low" in out
 
 
 def test_gspo_without_the_clip_in_its_coefficient_fails(gcf, tmp_path) -> None:
@@ -61,6 +61,7 @@ def test_gspo_without_the_clip_anywhere_fails_against_the_textbook_only(gcf, tmp
     assert code == 1
     assert "FAILED (a) engine vs textbook" in out and "FAILED (b) d loss/d logits vs textbook" in out
     assert "FAILED (a) engine vs own objective" not in out  # its objective agrees with its coefficient
+    assert "hint: the engine agrees with the class's own objective but not with the textbook" in out
 
 
 def test_set_adds_a_case_typed_by_the_methods_settings(gcf) -> None:
