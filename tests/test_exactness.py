@@ -60,7 +60,7 @@ def test_every_method_in_gcf_methods_is_covered() -> None:
 PAPER_DEFAULTS = {
     "grpo": {"epsilon": 0.2, "epsilon_high": None, "beta": 0.04, "norm": "sequence"},  # DeepSeekMath 4.2
     "dapo": {"epsilon": 0.2, "epsilon_high": 0.28, "norm": "token"},  # DAPO 3.1 clip-higher, 3.3 token-level loss
-    "dr-grpo": {"scale_rewards": "none", "norm": "constant"},  # Dr. GRPO: no std, no 1/|o|
+    "dr-grpo": {"scale_rewards": "none", "norm": "constant", "norm_constant": "max_new_tokens"},  # Dr. GRPO: no std, no 1/|o|
     "gspo": {"epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0},  # GSPO 5.1
     "ppo": {"epsilon": 0.2},  # PPO, eps = 0.2
     "dpo": {"beta": 0.1},  # DPO 6
@@ -73,7 +73,8 @@ def test_methods_default_to_their_papers_settings(name: str) -> None:
         pytest.skip(f"{name} is not registered")
     m = check.make(get_method(name), {})
     for key, want in PAPER_DEFAULTS[name].items():
-        got = m.norm if key == "norm" else getattr(m.settings, key)
+        got = m.norm if key == "norm" else getattr(m.cfg, key)
+        want = getattr(m.cfg, want) if key == "norm_constant" else want  # Dr. GRPO divides by the generation budget
         assert got == want, f"{name}: {key} = {got}, the paper's is {want}"
 
 
