@@ -163,7 +163,8 @@ def _kl(name: str, log_rho: torch.Tensor, log_r: torch.Tensor) -> torch.Tensor:
     """Schulman's estimators of KL(pi || pi_ref) at a token, rho = pi_ref / pi: k1 = log(pi/pi_ref), k2 = its
     square / 2, k3 = rho - 1 - log rho, and k3 weighed by r = pi / pi_old."""
     rho = torch.exp(log_rho)
-    return {"k1": -log_rho, "k2": log_rho * log_rho / 2, "k3": rho - 1 - log_rho, "k3-importance-weighted": torch.exp(log_r) * (rho - 1 - log_rho)}[name]
+    k3 = rho - 1 - log_rho
+    return {"k1": -log_rho, "k2": log_rho * log_rho / 2, "k3": k3, "k3-importance-weighted": torch.exp(log_r) * k3}[name]
 
 
 def _clip_terms(tb: dict, s: Any, lp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, A: torch.Tensor,
@@ -311,7 +312,8 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubTrainer, m: Method
     return Textbook(_aggregate(per, mask, valid.double(), m.norm, cfg.norm_constant), br, req)
 
 
-def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor, w: list[int], l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor, w: list[int],
+               l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss per pair [P] and its branch variable minus the loss's pivot (its sign is the branch):
     DPO -log sigmoid(beta d) (Rafailov et al. 2023), cDPO (Mitchell 2023), IPO (d - 1/(2 beta))^2 (Azar et al. 2023,
     eq. 17), SimPO -log sigmoid(beta (mean_w - mean_l) - gamma) (Meng et al. 2024), ORPO -mean_w - lambda log
@@ -336,7 +338,9 @@ def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, ma
     return -mean[w] + s.orpo_lambda * F.softplus(-z), z
 
 
-PIVOT = {"dpo": lambda s: 0.0, "ipo": lambda s: 0.5, "cdpo": lambda s: math.log((1 - s.label_smoothing) / s.label_smoothing) if s.label_smoothing > 0 else 0.0}
+# the margin m = beta * d where each loss turns: DPO's sign, IPO's target 1/2, where cDPO's GC changes sign
+PIVOT = {"dpo": lambda s: 0.0, "ipo": lambda s: 0.5,
+         "cdpo": lambda s: math.log((1 - s.label_smoothing) / s.label_smoothing) if s.label_smoothing > 0 else 0.0}
 
 
 def _pairs_textbook(lp_all: torch.Tensor, pairs: list[tuple[int, int]], ref_all: torch.Tensor | None, world: World, m: Method,
@@ -490,7 +494,8 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubTr
     z0 = max(0.0, float(kl.mean()))
     r = ((lp_all[raw["row_id"]] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
     good = raw["desirable"]
-    loss = torch.where(good, s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)), s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)))
+    loss = torch.where(good, s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
+                       s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)))  # [B]: lambda_y (1 - sigmoid(...))
     br = Counter({"z0 = 0 (mean KL below 0)": int(z0 == 0.0), "z0 > 0": int(z0 > 0.0)})
     for label, sel in (("desirable", good), ("undesirable", ~good)):
         br[f"{label}, r > z0"] += int((sel & (r.detach() > z0)).sum())
@@ -525,7 +530,8 @@ def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Gener
 
     def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
         kept = raw["valid"] & (raw["rewards"] >= m.settings.reward_threshold)
-        br = Counter({"kept": int(kept.sum()), "rejected": int((raw["valid"] & ~kept).sum()), "failed rewards": int((~raw["valid"]).sum())})
+        br = Counter({"kept": int(kept.sum()), "rejected": int((raw["valid"] & ~kept).sum()),
+                      "failed rewards": int((~raw["valid"]).sum())})
         J = _aggregate(lp_all[raw["row_id"]], raw["loss_mask"].double(), kept.double(), m.norm, m.cfg.norm_constant)
         return Textbook(J, br, set(br))
 
@@ -537,7 +543,8 @@ def build_demonstrations(cls: type[Method], settings: dict, world: World, gen: t
     m, rows = make(cls, settings), world.rows(range(N // 2))
 
     def textbook(lp_all: torch.Tensor) -> Textbook:
-        J = _aggregate(lp_all[rows["row_id"]], rows["loss_mask"].double(), torch.ones(N // 2, dtype=torch.float64), m.norm, m.cfg.norm_constant)
+        every = torch.ones(N // 2, dtype=torch.float64)
+        J = _aggregate(lp_all[rows["row_id"]], rows["loss_mask"].double(), every, m.norm, m.cfg.norm_constant)
         return Textbook(J, Counter(), set())
 
     return Built(m, rows, None if tb is None else textbook)
@@ -562,10 +569,14 @@ class Family:
 def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
     return [("defaults", {}), ("clip and KL", {"mu": 2, "beta": beta}),
-            ("minibatches, k1, batch std", {"num_minibatches": 2, "beta": beta, "kl_estimator": "k1", "scale_rewards": "batch", "std_eps": 1e-4, "std": "population"}),
-            ("k2 unclamped, no std, sum", {"mu": 2, "beta": beta, "kl_estimator": "k2", "kl_clamp": None, "scale_rewards": "none", "loss_norm": "sum"}),
-            ("k3-iw clamp 0.5, zero_std exclude, token", {"mu": 2, "beta": beta, "kl_estimator": "k3-importance-weighted", "kl_clamp": 0.5, "zero_std": "exclude", "loss_norm": "token"}),
-            ("KL in the reward, constant", {"mu": 2, "beta": 0.02, "kl_placement": "reward", "kl_estimator": "k1", "loss_norm": "constant", "norm_constant": 3.0})]
+            ("minibatches, k1, batch std", {"num_minibatches": 2, "beta": beta, "kl_estimator": "k1", "scale_rewards": "batch",
+                                            "std_eps": 1e-4, "std": "population"}),
+            ("k2 unclamped, no std, sum", {"mu": 2, "beta": beta, "kl_estimator": "k2", "kl_clamp": None, "scale_rewards": "none",
+                                           "loss_norm": "sum"}),
+            ("k3-iw clamp 0.5, zero_std exclude, token", {"mu": 2, "beta": beta, "kl_estimator": "k3-importance-weighted", "kl_clamp": 0.5,
+                                                          "zero_std": "exclude", "loss_norm": "token"}),
+            ("KL in the reward, constant", {"mu": 2, "beta": 0.02, "kl_placement": "reward", "kl_estimator": "k1", "loss_norm": "constant",
+                                            "norm_constant": 3.0})]
 
 
 def _short(q: str) -> str:
@@ -573,33 +584,44 @@ def _short(q: str) -> str:
 
 
 CLIP_HOOKS = {"clip_range": {CLIP_: ""}, "clipped": {CLIP_: ""}, "kl_in_loss": {CLIP_: ""}, "kl_reward": {CLIP_: ""}}
-SURROGATE = "min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t (k1, k2, k3, k3-iw by definition, clamped as set), r per token or sequence"
-PAIR_LOSSES = {("DPO", "DPO"): "dpo", ("DPO", "IPO"): "ipo", ("DPO", "ConservativeDPO"): "cdpo", ("SimPO", "SimPO"): "simpo", ("ORPO", "ORPO"): "orpo"}
+SURROGATE = ("min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t (k1, k2, k3, k3-iw by definition, clamped as set), "
+             "r per token or sequence")
+PAIR_LOSSES = {("DPO", "DPO"): "dpo", ("DPO", "IPO"): "ipo", ("DPO", "ConservativeDPO"): "cdpo", ("SimPO", "SimPO"): "simpo",
+               ("ORPO", "ORPO"): "orpo"}
 PAIR_HOOKS = {"rewards": {DPO_: "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""},
               "pair_loss": {DPO_: "", M + "dpo.IPO": "", M + "dpo.ConservativeDPO": "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""}}
 FAMILIES: dict[str, Family] = {
     M + "kto.KTO": Family("unpaired labels (KTO)", build_unpaired,
-                          lambda c: [("defaults", {}), ("weights and beta", {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7})],
+                          lambda c: [("defaults", {}),
+                                     ("weights and beta", {"beta": 0.5, "desirable_weight": 1.33, "undesirable_weight": 0.7})],
                           "lambda_y (1 - sigmoid(+-beta (r - z0))), z0 = max(0, mean KL of mismatched rows), held constant",
                           {"prepare": {M + "kto.KTO": ""}}),
     M + "online_dpo.OnlineDPO": Family("online pairs", build_online_pairs, lambda c: [("defaults", {}), ("beta 0.5", {"beta": 0.5})],
                                        "the pair loss on each prompt's best and worst valid sample; equal prompts form none",
                                        {"prepare": {M + "online_dpo.OnlineDPO": ""}, **PAIR_HOOKS}),
     DPO_: Family("preference pairs", build_pairs,
-                 lambda c: [("defaults", {}), ("other beta and loss settings", {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5})],
-                 "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio) averaged over pairs", PAIR_HOOKS),
+                 lambda c: [("defaults", {}),
+                            ("other beta and loss settings",
+                             {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5})],
+                 "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio) averaged over pairs",
+                 PAIR_HOOKS),
     PPO_: Family("on-policy samples with a critic (PPO)", build_ppo,
-                 lambda c: [("defaults", {}), ("clip and KL", {"mu": 2}), ("KL in the reward, GAE 0.9/0.8", {"mu": 2, "kl_placement": "reward", "gamma": 0.9, "lam": 0.8}),
-                            ("minibatches, k2 clamp 0.5, sequence", {"num_minibatches": 2, "kl_estimator": "k2", "kl_clamp": 0.5, "loss_norm": "sequence"}),
+                 lambda c: [("defaults", {}), ("clip and KL", {"mu": 2}),
+                            ("KL in the reward, GAE 0.9/0.8", {"mu": 2, "kl_placement": "reward", "gamma": 0.9, "lam": 0.8}),
+                            ("minibatches, k2 clamp 0.5, sequence",
+                             {"num_minibatches": 2, "kl_estimator": "k2", "kl_clamp": 0.5, "loss_norm": "sequence"}),
                             ("k3-iw unclamped", {"mu": 2, "kl_estimator": "k3-importance-weighted", "kl_clamp": None})],
-                 SURROGATE + "; A = whitened GAE on the critic's values", {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS}, True),
+                 SURROGATE + "; A = whitened GAE on the critic's values",
+                 {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS}, True),
     GRPO_: Family("on-policy groups", build_groups, _group_cases, SURROGATE + "; A from the rewards",
-                  {"group_advantages": {GRPO_: "group-relative", M + "grpo_variants.RLOO": "leave-one-out", RB_: "running baseline"},
+                  {"group_advantages": {GRPO_: "group-relative", M + "grpo_variants.RLOO": "leave-one-out",
+                                        RB_: "running baseline"},
                    "equal_reward_groups": {GRPO_: "", RB_: ""}, "add_advantages": {GRPO_: ""}, "token_advantages": {GRPO_: ""},
                    "prepare": {GRPO_: ""}, "after_step": {GRPO_: "", RB_: ""}, **CLIP_HOOKS}, True),
     M + "rft.RFT": Family("kept samples (rejection sampling)", build_kept,
                           lambda c: [("defaults", {}), ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"})],
-                          "the log-likelihood of the valid samples whose reward clears the threshold", {"prepare": {M + "rft.RFT": ""}}),
+                          "the log-likelihood of the valid samples whose reward clears the threshold",
+                          {"prepare": {M + "rft.RFT": ""}}),
     M + "sft.SFT": Family("demonstrations", build_demonstrations,
                           lambda c: [("defaults", {}), ("sequence", {"loss_norm": "sequence"}), ("sum", {"loss_norm": "sum"})],
                           "the log-likelihood under the method's aggregation"),
@@ -635,8 +657,9 @@ def textbook_for(cls: type[Method]) -> tuple[dict | None, str]:
         elif where == CLIP_:
             tb["ratio"] = "token"
         else:
-            return None, (f"{cls.__name__}.importance_ratio is its own (defined in {where}) at ratio_level={cls.ratio_level}; the textbook "
-                          "knows the token ratio pi/pi_old and GSPO's sequence ratio exp(mean_t log pi/pi_old) (ratio_level=sequence)")
+            return None, (f"{cls.__name__}.importance_ratio is its own (defined in {where}) at ratio_level={cls.ratio_level}; "
+                          "the textbook knows the token ratio pi/pi_old and GSPO's sequence ratio exp(mean_t log pi/pi_old) "
+                          "(ratio_level=sequence)")
     return tb, ""
 
 
