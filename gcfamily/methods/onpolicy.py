@@ -78,7 +78,7 @@ class OnPolicy(Method):
         if specs:
             return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
         if task is not None and not cfg.dataset:
-            return Rewards([Term(task.name or "task", fn=task.reward, weight=weight)])
+            return Rewards([Term(getattr(task, "name", "") or "task", fn=task.reward, weight=weight)])
         raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for --dataset {cfg.dataset}.")
 
     # -- the data source -------------------------------------------------------------

@@ -41,14 +41,18 @@ def shorten(text: str, limit: int = 200) -> str:
 # --------------------------------------------------------------------------- loading user code
 
 
-def _import_file(path: Path) -> Any:
-    """Import a .py file as a module under a unique name, so two files called rewards.py do not clash."""
+def _import_file(path: Path, loaded: dict[str, Any] | None = None) -> Any:
+    """Import a .py file as a module under a unique name, so two files called rewards.py do not clash.
+
+    With ``loaded`` (the worker's), a file already imported there is not imported again: two rewards
+    from one file share one module and its state, as two functions of an installed module do.
+    """
     if not path.is_file():
         raise GcfError(f"reward file '{path}' does not exist; give an existing .py file as path/file.py:function.")
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     name = f"gcf_reward_{path.stem}_{digest}"
-    if name in sys.modules:  # the same file for a second reward: one module, one state
-        return sys.modules[name]
+    if loaded is not None and name in loaded:
+        return loaded[name]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec, so dataclasses and pickling inside it work
@@ -58,6 +62,8 @@ def _import_file(path: Path) -> Any:
         del sys.modules[name]
         why = shorten(f"{type(err).__name__}: {err}")
         raise GcfError(f"reward file '{path}' failed to import ({why}); fix the file.") from None
+    if loaded is not None:
+        loaded[name] = module
     return module
 
 
@@ -69,11 +75,11 @@ def split_spec(spec: str) -> tuple[str, str]:
     return module_name, attr
 
 
-def load_user_reward(spec: str) -> Callable[..., Any]:
-    """The function a ``module:function`` or ``path/file.py:function`` spec names."""
+def load_user_reward(spec: str, loaded: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The function a ``module:function`` or ``path/file.py:function`` spec names (``loaded``: see _import_file)."""
     module_name, attr = split_spec(spec)
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        module = _import_file(Path(module_name))
+        module = _import_file(Path(module_name), loaded)
     else:
         try:
             module = importlib.import_module(module_name)
@@ -235,7 +241,8 @@ def serve(fd: int, parent: int) -> None:
             return
         try:
             if msg[0] == "load":
-                fns = {spec: load_user_reward(spec) for spec in msg[1]}
+                loaded: dict[str, Any] = {}
+                fns = {spec: load_user_reward(spec, loaded) for spec in msg[1]}
                 reply: tuple = ("ready",)
             else:  # ("call", spec, name, prompts, completions, completion_ids, columns)
                 _, spec, name, prompts, completions, completion_ids, columns = msg

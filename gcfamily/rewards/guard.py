@@ -3,8 +3,9 @@
 One small process per run (per `Rewards`), a fresh Python interpreter that imports the user's
 reward modules and answers calls over a pipe (calling.serve). Fresh, not forked: the trainer
 holds threads and maybe a CUDA context, which a forked child must not touch; the worker imports
-no torch of its own, so it starts in about 0.1 s, and a call costs one pickle round trip
-(measured in tests/test_reward_calls.py's report: well under a millisecond for 8 samples).
+no torch of its own, so it starts in about 0.1 s, and a call costs one pickle round trip (measured
+when this landed, on a shared 2-core CPU: 0.2 ms more than in-process for 8 samples, 0.4 ms for 64;
+a tiny-model GRPO step takes about 60 ms).
 
 What a user reward can no longer do to the run:
 
