@@ -123,7 +123,7 @@ class Config:
     and a reward model run in the trainer's process; module:function and file.py:function run in a worker process, where
     an exception, sys.exit, os._exit or a hang fails the call's samples (counted in reward/failed) instead of ending the run."""
     reward_weights: list = field(default_factory=list)
-    """Weight of each reward in `reward`, in order: the reward is sum_k w_k r_k (each r_k logged as reward/<name>/mean and /std); empty = 1 each."""
+    """Weight of each reward in `reward`, in order: the reward is sum_k w_k r_k (with several, each r_k is logged as reward/<name>/mean and /std); empty = 1 each."""
     reward_timeout: float = 300.0
     """Seconds one call of a module:function or file.py:function reward may take; past it, all the call's samples fail (0 = no limit)."""
     reward_model: Optional[str] = None

@@ -15,7 +15,9 @@ What a user reward can no longer do to the run:
 - hang: after `timeout` seconds (reward_timeout; 0 = none) the worker is killed; the call's
   samples fail and a new worker takes the next call;
 - hold the run while it is asked to stop: the wait polls `should_stop` (the trainer's SIGTERM /
-  Ctrl-C flag), abandons the call (its samples fail) and lets the step end at a checkpoint.
+  Ctrl-C flag) every POLL_S; a call that has not answered by then is abandoned (its samples fail,
+  counted) and the step ends at the trainer's checkpoint. A reward quicker than POLL_S still scores
+  the last step; a slower one does not, so that a stop never waits on a reward.
 """
 
 from __future__ import annotations
