@@ -121,7 +121,8 @@ class Config:
     """Reward(s): a built-in name (numeric, exact, boxed), module:function or path/file.py:function, or a list of them
     (--reward repeated, reward=[a,b]) summed with reward_weights; None takes the task's reward. Built-ins, the task's reward
     and a reward model run in the trainer's process; module:function and file.py:function run in a worker process, where
-    an exception, sys.exit, os._exit or a hang fails the call's samples (counted in reward/failed) instead of ending the run."""
+    an exception, sys.exit, os._exit or a hang fails the call's samples (counted in reward/failed) instead of ending the process
+    (a step in which every sample of every process fails still stops the run, in one sentence naming the function)."""
     reward_weights: list = field(default_factory=list)
     """Weight of each reward in `reward`, in order: the reward is sum_k w_k r_k (with several, each r_k is logged as reward/<name>/mean and /std); empty = 1 each."""
     reward_timeout: float = 300.0
