@@ -219,7 +219,6 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy."""
     import torch
 
-    from gcfamily.data import prompt_ids
     from gcfamily.models import load_model
     from gcfamily.rollout import SamplingSettings, generate
 
@@ -229,7 +228,7 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     policy = trainer.unwrapped_policy().eval()
     rows = task.rows("test", n_prompts)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], 1,
+    ro = generate(policy, trainer.tokenizer, [trainer.formatter.prompt_ids(r["prompt"]) for r in rows], 1,
                   SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
     batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
     ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model

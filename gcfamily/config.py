@@ -21,12 +21,13 @@ from typing import Any, Optional
 
 import yaml
 
+from gcfamily.config_data import DataSettings
 from gcfamily.errors import GcfError
 
 
 @dataclass(init=False)
-class Config:
-    """The shared settings, plus the run's method settings (`settings`, once the method is known)."""
+class Config(DataSettings):
+    """The shared settings, plus the run's method settings (`settings`, once the method is known); the data settings are in config_data.py."""
 
     # --- what to run
     method: str = "sft"
@@ -37,10 +38,6 @@ class Config:
     """Built-in offline task: prompts, references and the reward (see `gcf tasks`)."""
     task_options: dict = field(default_factory=dict)
     """Options for the task, e.g. {level: 1d-add}."""
-    dataset: Optional[str] = None
-    """A local JSONL/JSON/parquet/CSV file or a hub dataset name; overrides the task's training rows."""
-    dataset_split: str = "train"
-    """Split of the dataset to train on."""
     output_dir: str = "runs/default"
     """Run folder: settings, metrics.jsonl, TensorBoard events, checkpoints and the final model. `gcf run` without it makes runs/METHOD-MODEL-TIME."""
     overwrite: bool = False
@@ -147,6 +144,10 @@ class Config:
     """Checkpoints to keep."""
     progress: bool = True
     """Show a progress bar."""
+    report_to: str | list = "tensorboard"
+    """Where metrics go besides metrics.jsonl (always written): tensorboard, wandb (needs the wandb extra), none, or a list."""
+    log_completions_every: int = 10
+    """On-policy runs: every this many steps, write a sample of prompts, completions and rewards to completions.jsonl and the trackers (0 = off)."""
 
     # --- LoRA (gcfamily/lora.py; needs peft)
     lora_r: int = 0
@@ -407,6 +408,11 @@ def validate(cfg: Config) -> None:
          f"reward_weights={cfg.reward_weights} must be a list of finite numbers"),
         (len(cfg.reward_weights) in (0, n_rewards), f"reward_weights has {len(cfg.reward_weights)} values for {n_rewards} reward(s); give one weight per reward"),
         (cfg.reward_timeout >= 0, "reward_timeout must be >= 0 seconds (0 = no limit)"),
+        (cfg.chat_format in ("auto", "chat", "raw"), "chat_format must be auto, chat or raw"),
+        (cfg.log_completions_every >= 0, "log_completions_every must be >= 0 (0 = off)"),
+        (all(isinstance(k, str) and isinstance(v, str) for k, v in cfg.columns.items()), "columns must map names to column names, e.g. {prompt: question}"),
+        (all(r in ("tensorboard", "wandb", "none") for r in ([cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to)),
+         "report_to must be tensorboard, wandb, none or a list of them"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -1,28 +1,55 @@
-"""Held-out accuracy: greedy completions of a task's test prompts, scored by its reward."""
+"""Held-out evaluation: greedy completions of held-out prompts, scored by a reward.
+
+On a built-in task the reward is the task's and the figure is accuracy (the share of prompts whose
+completion scores >= 1). On your own data (`gcf eval --dataset D --reward R`, or `eval_dataset`
+during training) the figures are the mean reward and, where the rows carry a reference `answer`,
+accuracy in the same sense; prompts go through the same Formatter as training.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from gcfamily.data import prompt_ids
+from gcfamily.formats import Formatter, encode
 
 
 @torch.no_grad()
-def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new_tokens: int = 32, batch_size: int = 64) -> float:
-    """Fraction of the first n test rows whose greedy completion scores >= 1 under the task's reward."""
+def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], reward: Any, max_new_tokens: int = 32,
+                  batch_size: int = 64, n: Optional[int] = None, accuracy: Optional[bool] = None) -> dict[str, float]:
+    """eval/reward_mean, eval/reward_failed and eval/accuracy (with accuracy=None: where the rows carry an `answer`) over the first n rows.
+
+    rows are prompt-only or prompt-completion rows; `reward` is a rewards.Rewards or any reward function.
+    """
+    from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
 
-    rows = task.rows("test", n)
+    data = encode("prompts", rows[: n if n is not None else len(rows)], formatter, 1 << 30, "skip", "evaluation")
+    rewards = as_rewards(reward)
     model.eval()
-    correct = 0.0
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
-    for s in range(0, len(rows), batch_size):
-        part = rows[s : s + batch_size]
-        ids = [prompt_ids(tokenizer, r["prompt"]) for r in part]
-        out = generate(model, tokenizer, ids, 1, settings)
-        columns = {k: [r[k] for r in part] for k in part[0] if k not in ("prompt", "completion")}
-        rewards = task.reward([r["prompt"] for r in part], out.completions, **columns)
-        correct += sum(1.0 for r in rewards if r is not None and r >= 1.0)
-    return correct / max(len(rows), 1)
+    total, ok, correct = 0.0, 0, 0
+    for s in range(0, len(data.rows), batch_size):
+        part = data.rows[s : s + batch_size]
+        out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
+        columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
+        scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
+        for r, valid in zip(scored.rewards.tolist(), scored.valid.tolist()):
+            if valid:
+                total, ok, correct = total + r, ok + 1, correct + (r >= 1.0)
+    m = len(data.rows)
+    metrics = {"eval/reward_mean": total / max(ok, 1), "eval/reward_failed": float(m - ok), "eval/prompts": float(m)}
+    if accuracy or (accuracy is None and "answer" in data.rows[0]):
+        metrics["eval/accuracy"] = correct / max(m, 1)
+    return metrics
+
+
+@torch.no_grad()
+def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new_tokens: int = 32, batch_size: int = 64,
+                     formatter: Optional[Formatter] = None) -> float:
+    """Fraction of the first n test rows of a task whose greedy completion scores >= 1 under the task's reward."""
+    rows = task.rows("test", n)
+    if not rows:
+        return 0.0
+    return evaluate_rows(model, formatter or Formatter(tokenizer), rows, task.reward, max_new_tokens, batch_size, accuracy=True)["eval/accuracy"]

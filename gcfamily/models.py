@@ -32,7 +32,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TINY_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + ('<eos>' if m['role'] == 'assistant' else '') + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
@@ -165,6 +165,30 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     prepare(model)  # refuses a model whose log-probs cannot be exact; eager attention where it soft-caps
     return model.to(device), tok
+
+
+def adopt_model(model: Any, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
+    """A (model, tokenizer) pair passed from Python, or a model whose tokenizer loads from its name_or_path.
+
+    The model is trained in place, its parameters cast to the run's master dtype (float32 by default).
+    """
+    model, tok = model if isinstance(model, tuple) else (model, None)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise GcfError(f"model must be a name, a folder, a transformers causal LM or a (model, tokenizer) pair; got {type(model).__name__}.")
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+        try:
+            tok = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError) as e:
+            raise GcfError(f"The tokenizer of the model passed in could not be loaded from {source!r}; pass model=(model, tokenizer).") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    from gcfamily.families import prepare
+
+    prepare(model)
+    return model.to(device=device, dtype=dtype), tok
 
 
 def load_reference(policy: Any) -> Any:

@@ -16,7 +16,6 @@ import random
 import re
 from typing import Any, Optional, Sequence
 
-from gcfamily.data import completion_ids, prompt_ids
 from gcfamily.errors import GcfError
 
 MALFORMED = (
@@ -92,32 +91,3 @@ def _score(task: Any, rows: Sequence[dict], completions: list[str]) -> list[floa
     keys = [k for k in rows[0] if k not in ("prompt", "completion")]
     columns = {k: [r.get(k) for r in rows] for k in keys}
     return [float(x) for x in task.reward([r["prompt"] for r in rows], completions, **columns)]
-
-
-def split_implicit_prompt(row: dict[str, Any]) -> dict[str, Any]:
-    """A row with chosen/rejected conversations and no prompt: their shared first messages become the prompt."""
-    c, r = row.get("chosen"), row.get("rejected")
-    if row.get("prompt") is not None or not (isinstance(c, list) and isinstance(r, list)):
-        return row
-    k = 0
-    while k < min(len(c), len(r)) - 1 and c[k] == r[k]:
-        k += 1
-    return {**row, "prompt": c[:k], "chosen": c[k:], "rejected": r[k:]} if k else row
-
-
-Pair = tuple[list[int], list[int], list[int]]  # (prompt ids, chosen ids, rejected ids)
-
-
-def encode_preferences(tokenizer: Any, rows: Sequence[dict[str, Any]], max_length: int = 512, long_prompts: str = "skip") -> tuple[list[Pair], int]:
-    """Token ids of each checked row's prompt, chosen and rejected (EOS-ended, cut to max_length); and the count skipped."""
-    out, skipped = [], 0
-    for i, row in enumerate(rows):
-        p = prompt_ids(tokenizer, row["prompt"])
-        if len(p) >= max_length:
-            if long_prompts == "error":
-                raise GcfError(f"Preference row {i}: the prompt has {len(p)} tokens, more than max_length={max_length}; raise max_length or set long_prompts=skip.")
-            skipped += 1
-            continue
-        room = max_length - len(p)
-        out.append((p, completion_ids(tokenizer, row["chosen"])[:room], completion_ids(tokenizer, row["rejected"])[:room]))
-    return out, skipped

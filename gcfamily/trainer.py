@@ -20,7 +20,9 @@ import torch
 from gcfamily import checkpoint, distributed, engine, lora, precision
 from gcfamily.config import Config, resolve_settings, to_dict, validate
 from gcfamily.data import split_batch, to_device
+from gcfamily.dataset import load_rows
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
+from gcfamily.formats import Formatter
 from gcfamily.logger import RunLogger
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method, gc_stats
@@ -51,10 +53,16 @@ def peak_memory_mb(device: torch.device) -> float:
 class Trainer:
     """Owns the policy, its optimizer and the method; runs `max_steps` steps."""
 
-    def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None) -> None:
+    def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None, *, method: Optional[type] = None,
+                 model: Any = None, dataset: Any = None, eval_dataset: Any = None, rewards: Optional[list] = None) -> None:
+        """Objects from Python (gcfamily.api.train) ride beside cfg: a Method class, a (model, tokenizer) pair,
+        a Dataset or list of rows, reward functions; cfg then records their names."""
         validate(cfg)
         self.cfg = cfg
-        self.method_cls = get_method(cfg.method)
+        self.method_cls = method if method is not None else get_method(cfg.method)
+        self.dataset = dataset if dataset is not None else cfg.dataset
+        self.eval_dataset = eval_dataset if eval_dataset is not None else cfg.eval_dataset
+        self.rewards = rewards  # None: cfg.reward
         resolve_settings(cfg, self.method_cls)  # the method's own settings, typed; an unknown key is one sentence
         self.method_cls.apply_setting_defaults(cfg)
         self.method_cls.validate(cfg)
@@ -71,13 +79,20 @@ class Trainer:
             dist_env.set_precision(self.precision)
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
-        self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        if model is not None:
+            from gcfamily.models import adopt_model
+
+            self.policy, self.tokenizer = adopt_model(model, self.dtype, self.device)
+        else:
+            self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        self.formatter = Formatter(self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
         if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
             self.policy = lora.wrap(self.policy, cfg)
         precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
         self.task = self._load_task()
         self.method: Method = self.method_cls(cfg)
         self.method.setup(self)  # may load a reference or a critic from the untouched policy
+        self._check_evaluation()
         state = self._load_checkpoint(resume) if resume is not None else None  # into the plain models, before any wrapping
         if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -111,8 +126,17 @@ class Trainer:
                     (self.out_dir / name).unlink(missing_ok=True)
             (self.out_dir / "run_config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
 
+    def training_rows(self) -> list[dict[str, Any]]:
+        """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
+        cfg = self.cfg
+        if self.dataset is not None:
+            return load_rows(self.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
+        if self.task is not None:
+            return self.method_cls.task_rows(self.task, cfg)
+        raise GcfError(f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME.")
+
     def _load_task(self) -> Any:
-        if self.cfg.task is None:
+        if self.cfg.task is None or self.dataset is not None:  # a dataset replaces the task: its accuracy is never reported
             return None
         from gcfamily.tasks import get_task
 
@@ -311,17 +335,55 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Greedy held-out accuracy on the task (skipped when there is no task or no policy is trained)."""
-        if self.task is None or not self.method.trains_policy:
+        """Greedy held-out figures: on eval_dataset, its mean reward (and accuracy where rows carry an answer);
+        else on the task, its accuracy. Nothing when neither exists or no policy is trained."""
+        if not self.method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
-        from gcfamily.evaluate import heldout_accuracy
+        from gcfamily.evaluate import evaluate_rows, heldout_accuracy
 
+        cfg = self.cfg
         unwrapped = self.unwrapped_policy()
         was_training = unwrapped.training
         with self.full_parameters(), self.autocast():
-            acc = heldout_accuracy(unwrapped, self.tokenizer, self.task, self.cfg.eval_samples, self.cfg.max_new_tokens)
+            if self.eval_dataset is not None:
+                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples)
+            else:
+                out = {"eval/accuracy": heldout_accuracy(unwrapped, self.tokenizer, self.task, cfg.eval_samples, cfg.max_new_tokens, formatter=self.formatter)}
         unwrapped.train(was_training)
-        return {"eval/accuracy": acc}
+        return out
+
+    def _check_evaluation(self) -> None:
+        """Refuse, before training, an evaluation that could not run or would report the wrong thing."""
+        cfg = self.cfg
+        wanted = cfg.eval_at_ends or cfg.eval_every or cfg.eval_every_s
+        if not wanted or not self.method.trains_policy:
+            return
+        if self.eval_dataset is None and self.dataset is not None:
+            raise GcfError("Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
+                           "and a --reward; a built-in task's accuracy is never reported for it.")
+        if self.eval_dataset is not None:
+            from gcfamily.formats import encode
+
+            encode("prompts", self._eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
+            self._eval_reward()
+
+    def _eval_rows(self) -> list[dict[str, Any]]:
+        if not hasattr(self, "_eval_cache"):
+            cfg = self.cfg
+            self._eval_cache = load_rows(self.eval_dataset, cfg.eval_split, cfg.dataset_config, cfg.columns)
+        return self._eval_cache
+
+    def _eval_reward(self) -> Any:
+        """The run's reward: the on-policy method's own, else the rewards given (--reward, or functions from Python)."""
+        fn = getattr(self.method, "reward_fn", None) or getattr(self, "_eval_reward_fn", None)
+        if fn is None:
+            from gcfamily.rewards import Rewards, reward_specs
+
+            specs = list(self.rewards) if self.rewards is not None else reward_specs(self.cfg.reward)
+            if not specs:
+                raise GcfError("Evaluating on eval_dataset needs a reward to score completions with: pass --reward (e.g. numeric).")
+            fn = self._eval_reward_fn = Rewards.from_specs(specs, self.cfg.reward_weights, self.cfg.reward_timeout)
+        return fn
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Forwards in the compute dtype over master weights (a no-op when they are the same dtype)."""

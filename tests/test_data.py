@@ -2,14 +2,16 @@
 
 import torch
 
-from gcfamily.data import collate, completion_ids, encode_pairs, epoch_indices, prompt_ids, split_batch
+from gcfamily.data import collate, epoch_indices, split_batch
+from gcfamily.formats import Formatter, encode
 from gcfamily.models import tiny_tokenizer
 
 
 def test_prompt_is_masked_and_eos_is_trained_even_when_pad_is_eos():
     tok = tiny_tokenizer()
     tok.pad_token = tok.eos_token  # pad == eos: the mask, not the id, decides what is trained
-    (ex,), skipped = encode_pairs(tok, [{"prompt": "2+2?", "completion": "4"}])
+    data = encode("labelled", [{"prompt": "2+2?", "completion": "4", "label": True}], Formatter(tok), 512)
+    (ex,), skipped = data.examples, data.n_skipped
     p, c = ex
     assert skipped == 0 and c[-1] == tok.eos_token_id
     b = collate([ex, (p, c[:1])], tok.pad_token_id)
@@ -21,16 +23,17 @@ def test_prompt_is_masked_and_eos_is_trained_even_when_pad_is_eos():
 
 def test_chat_template_is_applied():
     tok = tiny_tokenizer()
-    ids = prompt_ids(tok, "hi")
+    fmt = Formatter(tok)
+    ids = fmt.prompt_ids("hi")
     assert tok.decode(ids) == "<|user|>hi\n<|assistant|>"
-    assert completion_ids(tok, "ok") == tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert fmt.completion_ids("hi", "ok") == tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
 def test_long_prompt_is_skipped_and_counted():
     tok = tiny_tokenizer()
     rows = [{"prompt": "x" * 100, "completion": "y"}, {"prompt": "short", "completion": "y"}]
-    out, skipped = encode_pairs(tok, rows, max_length=40)
-    assert skipped == 1 and len(out) == 1
+    data = encode("demonstrations", rows, Formatter(tok), max_length=40)
+    assert data.n_skipped == 1 and len(data.examples) == 1
 
 
 def test_epoch_indices_cover_each_epoch_once_and_are_deterministic():

@@ -16,7 +16,8 @@ from gcfamily.cli import main
 from gcfamily.config import Config
 from gcfamily.data import split_batch
 from gcfamily.methods import get_method
-from gcfamily.preferences import MALFORMED, preference_rows, split_implicit_prompt
+from gcfamily.formats import normalize
+from gcfamily.preferences import MALFORMED, preference_rows
 from gcfamily.tasks import get_task
 
 PREFERENCE_METHODS = ("dpo", "ipo", "cdpo", "simpo")
@@ -178,10 +179,10 @@ def test_preference_rows_from_tasks():
 def test_implicit_prompt_is_split():
     row = {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
            "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]}
-    out = split_implicit_prompt(row)
+    out = normalize(row, "preference", 0)
     assert out["prompt"] == [{"role": "user", "content": "2+2?"}]
     assert out["chosen"] == [{"role": "assistant", "content": "4"}] and out["rejected"][0]["content"] == "5"
-    assert split_implicit_prompt({"prompt": "q", "chosen": "a", "rejected": "b"}) == {"prompt": "q", "chosen": "a", "rejected": "b"}
+    assert normalize({"prompt": "q", "chosen": "a", "rejected": "b"}, "preference", 0) == {"prompt": "q", "chosen": "a", "rejected": "b"}
 
 
 def _trainer(tmp_path, **settings):
@@ -285,7 +286,7 @@ def test_missing_chosen_is_one_clear_error(tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
-    assert "row 1" in lines[0] and "'chosen'" in lines[0] and "Traceback" not in proc.stderr
+    assert "Row 1" in lines[0] and "'chosen'" in lines[0] and "Traceback" not in proc.stderr
 
 
 def test_empty_chosen_is_one_clear_error(tmp_path):
@@ -294,4 +295,4 @@ def test_empty_chosen_is_one_clear_error(tmp_path):
                                     "--output-dir", str(tmp_path / "run")])
     assert res.exit_code != 0 and isinstance(res.exception, SystemExit)
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "row 1" in lines[0] and "'chosen'" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Row 1" in lines[0] and "'chosen'" in lines[0]

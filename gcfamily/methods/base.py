@@ -22,6 +22,7 @@ from gcfamily.data import epoch_indices
 from gcfamily.engine import token_weights
 
 if TYPE_CHECKING:
+    from gcfamily.formats import Encoded
     from gcfamily.trainer import Trainer
 
 Batch = dict[str, Any]
@@ -39,6 +40,8 @@ class Method:
     """Aggregation of the textbook objective (engine.py's normalisation contract)."""
     rows_per_example: int = 1
     """Rows that must stay in one micro-batch (2 for a preference pair)."""
+    data_kind: str = ""
+    """What the method reads from a dataset (formats.KINDS): demonstrations, prompts, pairs or labelled; "" = none."""
     trains_policy: bool = True
     """False for a method that trains only a model of its own (the reward model): the trainer then
     runs no policy log-probs or backward, only `auxiliary_step`, and saves via `save_final`."""
@@ -74,6 +77,18 @@ class Method:
     def setup(self, trainer: "Trainer") -> None:
         """Called once with the trainer (policy, tokenizer, engine, task are ready)."""
         self.trainer = trainer
+
+    @classmethod
+    def task_rows(cls, task: Any, cfg: Config, split: str = "train") -> list[dict[str, Any]]:
+        """The rows a built-in task gives this method (its prompt-completion rows; DPO and KTO make pairs from them)."""
+        return task.rows(split)
+
+    def load_data(self, trainer: "Trainer") -> "Encoded":
+        """The run's rows (its dataset, else its task's), checked against `data_kind` and tokenised (formats.encode)."""
+        from gcfamily.formats import encode
+
+        cfg = self.cfg
+        return encode(self.data_kind, trainer.training_rows(), trainer.formatter, cfg.max_length, cfg.long_prompts, self.name or cfg.method)
 
     # -- the three parts of a method -------------------------------------------------
     def data(self, step: int) -> Batch:

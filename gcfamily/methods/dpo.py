@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data import check_preference_row, collate, default_pad_id, epoch_indices, load_rows
+from gcfamily.data import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, iter_chunks
-from gcfamily.preferences import encode_preferences, preference_rows, split_implicit_prompt
+from gcfamily.preferences import preference_rows
 
 
 class DPO(Method):
@@ -40,6 +40,7 @@ class DPO(Method):
     name = "dpo"
     data_source = "preference pairs (prompt, chosen, rejected); offline: the task's answer vs a wrong one"
     gc_formula = "+beta*sigmoid(h_l - h_w) on chosen tokens, the negative on rejected; h = beta*sum_t log(pi/pi_ref)"
+    data_kind = "pairs"
     default_norm = "sum"
     rows_per_example = 2
     uses_reference = True
@@ -59,19 +60,14 @@ class DPO(Method):
             raise GcfError(f"{cfg.method} sums log-probs over each completion; loss_norm must be sum (got {cfg.loss_norm}).")
 
     # -- data ------------------------------------------------------------------------
+    @classmethod
+    def task_rows(cls, task, cfg: Config, split: str = "train") -> list[dict]:  # type: ignore[no-untyped-def]
+        return preference_rows(task, None, cfg.seed, split=split)  # the task's answer vs a wrong or malformed one
+
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
         super().setup(trainer)
-        cfg = self.cfg
-        if cfg.dataset:
-            raw = load_rows(cfg.dataset, cfg.dataset_split)
-            rows = [check_preference_row(split_implicit_prompt(r), i) for i, r in enumerate(raw)]
-        elif trainer.task is not None:
-            rows = preference_rows(trainer.task, None, cfg.seed)
-        else:
-            raise GcfError(f"{cfg.method} needs preference pairs: pass --dataset PATH_OR_NAME with prompt/chosen/rejected columns, or --task NAME.")
-        self.pairs, self.skipped = encode_preferences(trainer.tokenizer, rows, cfg.max_length, cfg.long_prompts)
-        if not self.pairs:
-            raise GcfError(f"Every prompt was longer than max_length={cfg.max_length}; raise max_length.")
+        data = self.load_data(trainer)
+        self.pairs, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(trainer.tokenizer)
         self.ref: dict[tuple[int, int], torch.Tensor] = self._reference_logps(trainer) if self.uses_reference else {}
 

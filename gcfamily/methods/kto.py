@@ -31,21 +31,11 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data import check_sft_row, collate, default_pad_id, encode_pairs, load_rows
+from gcfamily.data import collate, default_pad_id
 from gcfamily.engine import example_weights
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 from gcfamily.preferences import preference_rows
-
-
-def check_kto_row(row: dict[str, Any], i: int) -> dict[str, Any]:
-    """A {prompt, completion, label} row (label a bool, or 0/1); errors name the row."""
-    label = row.get("label")
-    if isinstance(label, int) and not isinstance(label, bool) and label in (0, 1):
-        label = bool(label)
-    if not isinstance(label, bool):
-        raise GcfError(f"Row {i} needs a boolean 'label' (true: desirable, false: undesirable); it has {label!r}.")
-    return {**check_sft_row(row, i), "label": label}
 
 
 def unpaired_rows(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,6 +52,7 @@ class KTO(Method):
     name = "kto"
     data_source = "unpaired completions labelled desirable or not; offline: the task's preference pairs, split"
     gc_formula = "+lambda_D*beta*s(1-s) on desirable tokens, s = sigmoid(beta(r - z0)); -lambda_U*beta*s(1-s) on undesirable, s = sigmoid(beta(z0 - r))"
+    data_kind = "labelled"
     default_norm = "sum"
 
     @dataclass
@@ -85,21 +76,16 @@ class KTO(Method):
         if cfg.batch_size < 2:
             raise GcfError("kto needs batch_size >= 2: z0 pairs each prompt with another example's completion.")
 
+    @classmethod
+    def task_rows(cls, task: Any, cfg: Config, split: str = "train") -> list[dict[str, Any]]:
+        return unpaired_rows(preference_rows(task, None, cfg.seed, split=split))
+
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         cfg = self.cfg
-        if cfg.dataset:
-            rows = [check_kto_row(r, i) for i, r in enumerate(load_rows(cfg.dataset, cfg.dataset_split))]
-        elif trainer.task is not None:
-            rows = unpaired_rows(preference_rows(trainer.task, None, cfg.seed))
-        else:
-            raise GcfError("kto needs labelled completions: pass --dataset PATH with prompt/completion/label columns, or --task NAME.")
-        self.examples, self.labels, self.skipped = [], [], 0
-        for row in rows:  # one at a time, so a skipped long prompt takes its label with it
-            ex, skipped = encode_pairs(trainer.tokenizer, [row], "completion", cfg.max_length, cfg.long_prompts)
-            self.examples += ex
-            self.labels += [row["label"]] * len(ex)
-            self.skipped += skipped
+        data = self.load_data(trainer)  # unpaired rows, or preference pairs split into a desirable and an undesirable row
+        self.examples, self.skipped = data.examples, data.n_skipped
+        self.labels = [row["label"] for row in data.rows]
         if len(self.examples) < 2:
             raise GcfError(f"kto needs at least two rows within max_length={cfg.max_length}; raise max_length.")
         env = getattr(trainer, "dist", None)

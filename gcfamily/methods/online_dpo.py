@@ -49,6 +49,8 @@ class OnlineDPO(DPO, OnPolicy):
         self.ref = trainer.reference()  # pi_ref: the policy as it is before any step
 
     data = OnPolicy.data
+    data_kind = OnPolicy.data_kind  # prompts, not DPO's offline pairs
+    task_rows = OnPolicy.task_rows
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:

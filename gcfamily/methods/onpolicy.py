@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config
-from gcfamily.data import load_rows, prompt_ids
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
@@ -33,6 +32,7 @@ class OnPolicy(Method):
     """Base of the methods that train on their own samples; subclasses write prepare/coefficient."""
 
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
+    data_kind = "prompts"
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -43,14 +43,8 @@ class OnPolicy(Method):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         cfg = self.cfg
-        if cfg.dataset:
-            self.rows = load_rows(cfg.dataset, cfg.dataset_split)
-        elif trainer.task is not None:
-            self.rows = trainer.task.rows("train")
-        else:
-            raise GcfError(f"{self.name} needs prompts: pass --task NAME or --dataset PATH with a 'prompt' column.")
-        if not self.rows or "prompt" not in self.rows[0]:
-            raise GcfError(f"The prompts of {self.name} need a 'prompt' column; the data has {sorted(self.rows[0]) if self.rows else 'no rows'}.")
+        data = self.load_data(trainer)  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
+        self.rows, self.prompt_tokens, self.skipped = data.rows, data.examples, data.n_skipped
         self.reward_fn: RewardFn = self.build_reward_fn()
         self.warned_reward = False
         self.sampling = SamplingSettings(
@@ -75,24 +69,27 @@ class OnPolicy(Method):
 
             fn = load_reward_model(cfg.reward_model, self.trainer.device, self.trainer.dtype, cfg.micro_batch_size)  # type: ignore[union-attr]
             return Rewards([Term("reward_model", fn=fn, weight=weight)])
+        if getattr(self.trainer, "rewards", None) is not None:  # objects from Python: functions run in this process
+            specs = list(self.trainer.rewards)  # type: ignore[union-attr]
         if specs:
             return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
-        if task is not None and not cfg.dataset:
+        if task is not None:
             return Rewards([Term(getattr(task, "name", "") or "task", fn=task.reward, weight=weight)])
-        raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for --dataset {cfg.dataset}.")
+        raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset.")
 
     # -- the data source -------------------------------------------------------------
     def data(self, step: int) -> Batch:
         """batch_size prompts (deterministic in seed and step), G samples each, scored."""
         cfg, trainer = self.cfg, self.trainer
         G = cfg.group_size
-        rows = [self.rows[i] for i in self.step_indices(len(self.rows), step)]  # whole groups stay on one rank
+        idx = self.step_indices(len(self.rows), step)  # whole groups stay on one rank
+        rows = [self.rows[i] for i in idx]
         policy = trainer.unwrapped_policy()
         was_training = policy.training
         policy.eval()
         try:
             with trainer.full_parameters():  # FSDP2: gathered for generation, freed after
-                ro = generate(policy, trainer.tokenizer, [prompt_ids(trainer.tokenizer, r["prompt"]) for r in rows], G, self.sampling, trainer.generator)
+                ro = generate(policy, trainer.tokenizer, [self.prompt_tokens[i] for i in idx], G, self.sampling, trainer.generator)
         finally:
             policy.train(was_training)
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
@@ -129,6 +126,7 @@ class OnPolicy(Method):
             "stat/reward/failed": float(len(errors)),
             **{f"stat/{k}": v for k, v in (scored.stats() if len(scored.per_reward) > 1 else {}).items()},  # reward/<name>/mean, /std
             "stat/time/reward_s": reward_s,
+            "stat/skipped_long_prompts": float(self.skipped),
             "stat/completion/length_mean": float(lengths.mean()),
             "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
         }

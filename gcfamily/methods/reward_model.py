@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config
-from gcfamily.data import check_preference_row, collate, default_pad_id, epoch_indices, load_rows
+from gcfamily.data import collate, default_pad_id, epoch_indices
 from gcfamily.engine import build_optimizer, grads_finite, lr_lambda
 from gcfamily.errors import GcfError
+from gcfamily.formats import encode
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.ppo import module_mb
-from gcfamily.preferences import encode_preferences, preference_rows, split_implicit_prompt
+from gcfamily.preferences import preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss
 
 
@@ -39,11 +40,16 @@ class RewardModelTraining(Method):
     name = "reward-model"
     data_source = "preference pairs (prompt, chosen, rejected); offline: the task's answer vs a wrong or malformed one"
     gc_formula = "none: trains no policy; a scalar-head model learns -log sigmoid(r(q, o_w) - r(q, o_l))"
+    data_kind = "pairs"
     default_norm = "sum"
     rows_per_example = 2
     trains_policy = False
     offline_pairs: int = 4096
     """Pairs built from a task: its small levels repeat (with other wrong answers), its large ones stay fresh."""
+
+    @classmethod
+    def task_rows(cls, task: Any, cfg: Config, split: str = "train") -> list[dict[str, Any]]:
+        return preference_rows(task, cls.offline_pairs, cfg.seed, split=split)
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -56,21 +62,17 @@ class RewardModelTraining(Method):
             raise GcfError("reward-model training runs in one process for now; run it with --nproc 1.")
         super().setup(trainer)
         cfg = self.cfg
-        if cfg.dataset:
-            raw = [check_preference_row(split_implicit_prompt(r), i) for i, r in enumerate(load_rows(cfg.dataset, cfg.dataset_split))]
-            order = list(range(len(raw)))
+        data = self.load_data(trainer)  # preference rows: the dataset's, or pairs made from the task
+        self.skipped = data.n_skipped
+        if trainer.task is None:
+            order = list(range(len(data.examples)))
             random.Random(f"reward-model/{cfg.seed}").shuffle(order)
-            n_held = min(len(raw) // 10, cfg.eval_samples)  # a seeded tenth, never trained on
-            held, rows = [raw[i] for i in order[:n_held]], [raw[i] for i in order[n_held:]]
-        elif trainer.task is not None:
-            rows = preference_rows(trainer.task, self.offline_pairs, cfg.seed)
-            held = preference_rows(trainer.task, cfg.eval_samples, cfg.seed, split="test")
+            n_held = min(len(order) // 10, cfg.eval_samples)  # a seeded tenth, never trained on
+            self.heldout, self.pairs = [data.examples[i] for i in order[:n_held]], [data.examples[i] for i in order[n_held:]]
         else:
-            raise GcfError("reward-model needs preference pairs: pass --dataset PATH_OR_NAME with prompt/chosen/rejected columns, or --task NAME.")
-        self.pairs, self.skipped = encode_preferences(trainer.tokenizer, rows, cfg.max_length, cfg.long_prompts)
-        self.heldout, _ = encode_preferences(trainer.tokenizer, held, cfg.max_length, cfg.long_prompts)
-        if not self.pairs:
-            raise GcfError(f"Every prompt was longer than max_length={cfg.max_length}; raise max_length.")
+            self.pairs = data.examples
+            held = preference_rows(trainer.task, cfg.eval_samples, cfg.seed, split="test")
+            self.heldout = encode(self.data_kind, held, trainer.formatter, cfg.max_length, cfg.long_prompts, self.name).examples
         self.pad_id = default_pad_id(trainer.tokenizer)
         self.rm = RewardModel.from_causal_lm(trainer.unwrapped_policy(), trainer.tokenizer, cfg.max_length).train()
         if cfg.activation_checkpointing and hasattr(self.rm.model, "gradient_checkpointing_enable"):

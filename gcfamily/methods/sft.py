@@ -8,35 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from gcfamily.data import check_sft_row, collate, default_pad_id, encode_pairs, load_rows
-from gcfamily.errors import GcfError
+from gcfamily.data import collate_masked, default_pad_id
 from gcfamily.methods.base import Batch, Method
 
 
 class SFT(Method):
     name = "sft"
-    data_source = "fixed demonstrations (prompt, completion)"
+    data_source = "fixed demonstrations: prompt-completion rows, or language-modeling rows (text, messages)"
+    data_kind = "demonstrations"
     gc_formula = "1"
     default_norm = "token"
 
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
         super().setup(trainer)
-        cfg = self.cfg
-        if cfg.dataset:
-            raw = load_rows(cfg.dataset, cfg.dataset_split)
-        elif trainer.task is not None:
-            raw = trainer.task.rows("train")
-        else:
-            raise GcfError("SFT needs data: pass --dataset PATH_OR_NAME or --task NAME.")
-        rows = [check_sft_row(r, i) for i, r in enumerate(raw)]
-        self.examples, self.skipped = encode_pairs(trainer.tokenizer, rows, "completion", cfg.max_length, cfg.long_prompts)
-        if not self.examples:
-            raise GcfError(f"Every row was longer than max_length={cfg.max_length}; raise max_length.")
+        data = self.load_data(trainer)  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
+        self.examples, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(trainer.tokenizer)
 
     def data(self, step: int) -> Batch:
         idx = self.step_indices(len(self.examples), step)
-        batch: Batch = collate([self.examples[i] for i in idx], self.pad_id)
+        batch: Batch = collate_masked([self.examples[i] for i in idx], self.pad_id)
         batch["stat/skipped_long_prompts"] = float(self.skipped)
         return batch
 

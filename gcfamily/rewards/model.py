@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gcfamily.data import completion_ids, default_pad_id, prompt_ids
+from gcfamily.data import default_pad_id
 from gcfamily.engine import position_ids_from_mask
 from gcfamily.errors import GcfError
+from gcfamily.formats import Formatter
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -114,8 +115,9 @@ class RewardModel(nn.Module):
         return self.head(h).squeeze(-1).float()
 
     def encode(self, prompt: Any, completion: str) -> list[int]:
-        """Prompt (chat template) + completion + EOS, as in training; the end is kept if too long (the score reads it)."""
-        ids = prompt_ids(self.tokenizer, prompt) + completion_ids(self.tokenizer, completion)
+        """Prompt + completion as in training (formats.Formatter at the default chat_format); the end is kept if too long (the score reads it)."""
+        fmt = Formatter(self.tokenizer)
+        ids = fmt.prompt_ids(prompt) + fmt.completion_ids(prompt, completion)
         return ids[-self.max_length :]
 
     @torch.inference_mode()

@@ -125,21 +125,29 @@ class Rewards:
         self.worker = worker  # guard.RewardWorker for the terms given as specs
 
     @classmethod
-    def from_specs(cls, specs: Sequence[str], weights: Sequence[float] = (), timeout: float = 0.0) -> "Rewards":
-        """Built-in names run here; module:function and file.py:function in one worker process (timeout per call)."""
+    def from_specs(cls, specs: Sequence[Any], weights: Sequence[float] = (), timeout: float = 0.0) -> "Rewards":
+        """Built-in names and function objects (from Python) run here; module:function and file.py:function in one worker process (timeout per call)."""
         weights = list(weights) or [1.0] * len(specs)
         if len(weights) != len(specs):
             raise GcfError(f"reward_weights has {len(weights)} values for {len(specs)} rewards; give one weight per reward.")
         terms, taken = [], set()
         for spec, w in zip(specs, weights):
-            if spec not in REWARDS and ":" not in spec:
+            if callable(spec):
+                name = _name(spec)
+            elif not isinstance(spec, str):
+                raise GcfError(f"reward {spec!r} is neither a reward name, module:function, path/file.py:function nor a function.")
+            elif spec not in REWARDS and ":" not in spec:
                 load_reward(spec)  # the unknown-name sentence
-            name = spec if spec in REWARDS else split_spec(spec)[1]
+            if not callable(spec):
+                name = spec if spec in REWARDS else split_spec(spec)[1]
             base, k = name, 2
             while name in taken:  # two rewards of the same name keep apart in the log
                 name, k = f"{base}_{k}", k + 1
             taken.add(name)
-            terms.append(Term(name, fn=REWARDS.get(spec), spec=None if spec in REWARDS else spec, weight=float(w)))
+            if callable(spec):
+                terms.append(Term(name, fn=spec, weight=float(w)))
+            else:
+                terms.append(Term(name, fn=REWARDS.get(spec), spec=None if spec in REWARDS else spec, weight=float(w)))
         user = [t.spec for t in terms if t.spec is not None]
         worker = None
         if user:

@@ -1,0 +1,137 @@
+"""Where rows come from: a local file, a `save_to_disk` folder, a hub dataset, or an object from Python.
+
+    rows = load_rows(source, split="train", config=None, columns=None)
+
+`source` is, in the order it is tried:
+
+- a `datasets.Dataset`, a `DatasetDict` (its `split`) or a list of dicts, passed from Python;
+- an existing file: JSONL, JSON, parquet or CSV, by its suffix;
+- an existing folder: a `Dataset.save_to_disk` or `DatasetDict.save_to_disk` folder, else a folder
+  of data files that `datasets.load_dataset(folder)` reads;
+- anything else that looks like a hub id (`name` or `org/name`): `datasets.load_dataset(source,
+  config, split=split)`, the real call, which also finds a dataset the hub cache already holds
+  (offline mode included).
+
+`columns` renames columns before anything reads them: `{prompt: question}` makes the dataset's
+`question` column the `prompt`. Every failure is one sentence (GcfError).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from gcfamily.errors import GcfError
+
+FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise GcfError("The `datasets` package is missing; reinstall gcfamily.") from e
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()  # "using the latest cached version" and the like stay out of the run's output
+    logging.getLogger("datasets").setLevel(logging.ERROR)
+    return datasets
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def describe(source: Any) -> str:
+    """How a source is named in messages and in run_config.json."""
+    if isinstance(source, (str, Path)):
+        return str(source)
+    if isinstance(source, list):
+        return f"<list of {len(source)} rows>"
+    return f"<{type(source).__name__} of {getattr(source, 'num_rows', '?')} rows>"
+
+
+def _pick_split(obj: Any, split: str, name: str) -> Any:
+    """A DatasetDict's split (a clear error naming the splits it has); a Dataset as it is."""
+    if hasattr(obj, "keys") and not hasattr(obj, "column_names"):
+        if split not in obj:
+            raise GcfError(f"Dataset {name} has no split '{split}'; its splits are {', '.join(sorted(obj))} (set dataset_split).")
+        return obj[split]
+    return obj
+
+
+def _from_disk_folder(path: Path) -> bool:
+    """Whether a folder was written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+
+
+def _load(source: Any, split: str, config: Optional[str]) -> Any:
+    """The Dataset (not yet rows) a source names."""
+    if isinstance(source, list):
+        return source
+    if not isinstance(source, (str, Path)):  # a Dataset or DatasetDict from Python
+        return _pick_split(source, split, describe(source))
+    ds_lib = _datasets()
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_file():
+        kind = FILE_TYPES.get(path.suffix.lower())
+        if kind is None:
+            raise GcfError(f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder.")
+        try:
+            return ds_lib.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # datasets raises many types for malformed files
+            raise GcfError(f"Dataset file {text} could not be read ({_first_line(e)}).") from e
+    if path.is_dir():
+        try:
+            if _from_disk_folder(path):
+                return _pick_split(ds_lib.load_from_disk(str(path)), split, text)
+            return ds_lib.load_dataset(str(path), config, split=split)
+        except GcfError:
+            raise
+        except Exception as e:
+            raise GcfError(f"Dataset folder {text} could not be read ({_first_line(e)}).") from e
+    looks_local = path.suffix.lower() in FILE_TYPES or text.startswith((".", "/", "~")) or text.count("/") > 1
+    if looks_local:
+        raise GcfError(f"Dataset file {text} does not exist; pass an existing JSONL/JSON/parquet/CSV file, a save_to_disk folder or a hub id like org/name.")
+    try:
+        return ds_lib.load_dataset(text, config, split=split)
+    except Exception as e:  # unreachable hub, unknown config or split, gated dataset
+        raise GcfError(
+            f"Dataset {text}{f' (config {config})' if config else ''} could not be loaded from the hub or its cache ({_first_line(e)[:160]}); "
+            "offline, use a local file or a built-in task (--task arithmetic)."
+        ) from e
+
+
+def rename_columns(rows: list[dict[str, Any]], columns: Optional[dict[str, str]], name: str) -> list[dict[str, Any]]:
+    """Rows with columns renamed: `columns` maps the name gcfamily reads to the dataset's column."""
+    if not columns:
+        return rows
+    if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
+        raise GcfError(f"columns={columns!r} must map names to the dataset's columns, e.g. {{prompt: question, answer: answer}}.")
+    have = set(rows[0])
+    missing = [v for v in columns.values() if v not in have]
+    if missing:
+        raise GcfError(f"columns maps to {', '.join(repr(m) for m in missing)}, which dataset {name} lacks; its columns are {', '.join(sorted(have))}.")
+    out = []
+    for row in rows:
+        new = {k: v for k, v in row.items() if k not in columns.values()}
+        new.update({k: row[v] for k, v in columns.items()})
+        out.append(new)
+    return out
+
+
+def load_rows(source: Any, split: str = "train", config: Optional[str] = None, columns: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """Rows of a dataset as plain dicts, columns renamed; at least one row."""
+    name = describe(source)
+    ds = _load(source, split, config)
+    try:
+        rows = [dict(r) for r in ds]  # decoding can fail too (odd nested keys)
+    except Exception as e:
+        raise GcfError(f"Dataset {name} could not be read ({_first_line(e)}).") from e
+    if not rows:
+        raise GcfError(f"Dataset {name} is empty; it needs at least one row.")
+    if not all(isinstance(r, dict) for r in rows):
+        raise GcfError(f"Dataset {name} must hold rows of named columns (dicts).")
+    return rename_columns(rows, columns, name)

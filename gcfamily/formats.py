@@ -1,0 +1,377 @@
+"""TRL's dataset formats in, exact token ids and loss masks out.
+
+Formats, told apart by their columns (standard rows hold strings, conversational rows lists of
+`{role, content}` messages):
+
+| format | columns |
+|---|---|
+| language-modeling | `text`, or `messages` |
+| prompt-only | `prompt` |
+| prompt-completion | `prompt`, `completion` |
+| preference | `prompt`, `chosen`, `rejected`; or `chosen`, `rejected` with an implicit prompt |
+| unpaired-preference | `prompt`, `completion`, `label` |
+
+A method reads one kind of data (`Method.data_kind`), and each kind takes some formats:
+
+| kind | methods | formats |
+|---|---|---|
+| demonstrations | sft | language-modeling, prompt-completion |
+| prompts | rft, grpo, ppo and every on-policy method | prompt-only, prompt-completion (the completion is not given to rewards) |
+| pairs | dpo, ipo, cdpo, simpo, orpo, reward-model | preference |
+| labelled | kto | unpaired-preference, preference (each pair split into a desirable and an undesirable row) |
+
+Any other pairing is one sentence naming the format found and the formats the method takes.
+
+Tokens (`Formatter`): `chat_format` chat renders rows through the tokenizer's chat template (a
+string prompt is a user message, a string completion an assistant message); raw tokenises the
+strings as they are (TRL's standard rows): the prompt with the tokenizer's special tokens, the
+completion without, then EOS. auto is chat for conversational rows, and for string rows when the
+tokenizer has a chat template (an instruct model), raw otherwise. In chat mode a completion's
+tokens are the conversation's tokens after the prompt's (rendered with the generation prompt),
+which the template must reproduce as a prefix (else the row is refused: its tokens could not be
+told apart exactly), ending at the template's last EOS (EOS is appended if the template ends a
+turn without it). `text` rows train every token but the first; `messages` rows train every
+assistant turn (`assistant_only_loss`, default) or every token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from gcfamily.errors import GcfError
+
+FORMATS = {
+    "language-modeling": "language-modeling (text or messages)",
+    "prompt-only": "prompt-only (prompt)",
+    "prompt-completion": "prompt-completion (prompt, completion)",
+    "preference": "preference (prompt, chosen, rejected; or chosen, rejected with an implicit prompt)",
+    "unpaired-preference": "unpaired-preference (prompt, completion, label)",
+}
+KINDS = {
+    "demonstrations": ("language-modeling", "prompt-completion"),
+    "prompts": ("prompt-only", "prompt-completion"),
+    "pairs": ("preference",),
+    "labelled": ("unpaired-preference", "preference"),
+}
+CHAT_FORMATS = ("auto", "chat", "raw")
+_TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "text")
+
+Messages = list[dict[str, str]]
+Text = str | Messages
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def detect(row: dict[str, Any]) -> str:
+    """The TRL format of a row, by its columns; a row that is none of them is one sentence."""
+    keys = set(row)
+    if {"chosen", "rejected"} <= keys:
+        return "preference"
+    if {"completion", "label"} <= keys:
+        return "unpaired-preference"
+    if {"prompt", "completion"} <= keys:
+        return "prompt-completion"
+    if "prompt" in keys:
+        return "prompt-only"
+    if "messages" in keys or "text" in keys:
+        return "language-modeling"
+    raise GcfError(f"The rows have columns {', '.join(sorted(keys))}, which are none of TRL's formats "
+                   f"({'; '.join(FORMATS.values())}); map yours with --set columns='{{prompt: question}}'.")
+
+
+def is_conversational(row: dict[str, Any]) -> bool:
+    """Whether a row's text columns are message lists (TRL's conversational form)."""
+    return any(isinstance(row.get(k), list) for k in _TEXT_COLUMNS)
+
+
+def check_format(fmt: str, kind: str, method: str) -> None:
+    """Refuse a format the method's kind of data cannot use, naming what it takes."""
+    if fmt not in KINDS[kind]:
+        takes = " or ".join(FORMATS[f] for f in KINDS[kind])
+        raise GcfError(f"{method} cannot train on {FORMATS[fmt]} rows; it takes {takes} rows.")
+
+
+def _messages(v: Any, col: str, i: int) -> Messages:
+    if not (isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)):
+        raise GcfError(f"Row {i}: '{col}' must be a string or a non-empty list of {{role, content}} messages with text content.")
+    return [{"role": m["role"], "content": m["content"]} for m in v]
+
+
+def _text(v: Any, col: str, i: int, messages_ok: bool = True) -> Text:
+    """A non-empty string (numbers written out) or, where allowed, a message list; else one sentence naming the row."""
+    if isinstance(v, list) and messages_ok:
+        return _messages(v, col, i)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = str(v)
+    if not isinstance(v, str) or not v.strip():
+        # a file-backed dataset fills a column absent from one row with None, so both read alike
+        raise GcfError(f"Row {i} has a missing or empty '{col}'; it needs a non-empty {'text or message list' if messages_ok else 'text'}.")
+    return v
+
+
+def _same_form(i: int, **cols: Text) -> None:
+    kinds = {k: isinstance(v, list) for k, v in cols.items()}
+    if len(set(kinds.values())) > 1:
+        forms = ", ".join(f"{k}: {'messages' if m else 'string'}" for k, m in kinds.items())
+        raise GcfError(f"Row {i} mixes strings and message lists ({forms}); use one form per row.")
+
+
+def implicit_prompt(chosen: Text, rejected: Text, i: int) -> tuple[Text, Text, Text]:
+    """(prompt, chosen, rejected) of a row without a prompt: the part both start with (TRL's extract_prompt)."""
+    if isinstance(chosen, list):
+        k = 0
+        while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+            k += 1
+        if k == 0:
+            raise GcfError(f"Row {i}: chosen and rejected share no first messages, so no prompt can be taken from them; add a 'prompt' column.")
+        return chosen[:k], chosen[k:], rejected[k:]
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    if 0 < k and chosen[k - 1] == " ":
+        k -= 1  # the space starts the completion, as in TRL
+    if k == 0 or k == len(chosen) or k == len(rejected):
+        raise GcfError(f"Row {i}: chosen and rejected do not start with a shared prompt followed by different completions; add a 'prompt' column.")
+    return chosen[:k], chosen[k:], rejected[k:]
+
+
+def _label(v: Any, i: int) -> bool:
+    if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
+        return bool(v)
+    if not isinstance(v, bool):
+        raise GcfError(f"Row {i} needs a boolean 'label' (true: desirable, false: undesirable); it has {v!r}.")
+    return v
+
+
+def normalize(row: dict[str, Any], fmt: str, i: int) -> dict[str, Any]:
+    """A row of format fmt with its text columns checked (and an implicit prompt made explicit); other columns kept."""
+    extra = {k: v for k, v in row.items() if k not in (*_TEXT_COLUMNS, "label")}
+    if fmt == "language-modeling":
+        if row.get("messages") is not None:
+            return {**extra, "messages": _messages(row["messages"], "messages", i)}
+        return {**extra, "text": _text(row.get("text"), "text", i, messages_ok=False)}
+    prompt = row.get("prompt")
+    if fmt == "preference":
+        chosen, rejected = _text(row.get("chosen"), "chosen", i), _text(row.get("rejected"), "rejected", i)
+        _same_form(i, chosen=chosen, rejected=rejected)
+        if prompt is None:
+            prompt, chosen, rejected = implicit_prompt(chosen, rejected, i)
+        prompt = _text(prompt, "prompt", i)
+        _same_form(i, prompt=prompt, chosen=chosen)
+        return {**extra, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+    out = {**extra, "prompt": _text(prompt, "prompt", i)}
+    if fmt in ("prompt-completion", "unpaired-preference"):
+        out["completion"] = _text(row.get("completion"), "completion", i)
+        _same_form(i, prompt=out["prompt"], completion=out["completion"])
+    if fmt == "unpaired-preference":
+        out["label"] = _label(row.get("label"), i)
+    return out
+
+
+def as_kind(rows: Sequence[dict[str, Any]], kind: str, method: str) -> tuple[str, list[dict[str, Any]]]:
+    """(format, checked rows) for a method's kind of data; KTO's labelled rows from preference pairs, split."""
+    if not rows:
+        raise GcfError(f"{method} got no rows.")
+    fmt = detect(rows[0])
+    check_format(fmt, kind, method)
+    out = []
+    for i, row in enumerate(rows):
+        if detect(row) != fmt:
+            raise GcfError(f"Row {i} is {FORMATS[detect(row)]}, unlike row 0 ({FORMATS[fmt]}); use one format per dataset.")
+        out.append(normalize(row, fmt, i))
+    if kind == "labelled" and fmt == "preference":
+        out = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in out for k in ("chosen", "rejected")]
+    return fmt, out
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def _template_error(e: Exception) -> GcfError:
+    return GcfError(f"The chat template failed on a row ({str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__}); fix the row or pass chat_template.")
+
+
+class Formatter:
+    """Token ids of prompts, completions and conversations under the run's chat_format (module docstring)."""
+
+    def __init__(self, tokenizer: Any, chat_format: str = "auto", system_prompt: Optional[str] = None,
+                 assistant_only_loss: bool = True, chat_template: Optional[str] = None) -> None:
+        if chat_format not in CHAT_FORMATS:
+            raise GcfError(f"chat_format must be auto, chat or raw (got {chat_format!r}).")
+        self.tokenizer = tokenizer
+        self.chat_format = chat_format
+        self.system_prompt = system_prompt
+        self.assistant_only_loss = assistant_only_loss
+        if chat_template:
+            path = Path(chat_template).expanduser()
+            text = path.read_text() if len(chat_template) < 4096 and "{" not in chat_template and path.is_file() else chat_template
+            if "{" not in text:
+                raise GcfError(f"chat_template {chat_template!r} is neither an existing file nor a Jinja template.")
+            tokenizer.chat_template = text
+        self.eos = tokenizer.eos_token_id
+
+    @property
+    def has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def uses_chat(self, conversational: bool) -> bool:
+        """Whether rows of this form go through the chat template."""
+        if conversational and self.chat_format == "raw":
+            raise GcfError("chat_format=raw takes string rows, but this dataset is conversational (message lists); use chat_format=auto or chat.")
+        chat = conversational or self.chat_format == "chat" or (self.chat_format == "auto" and self.has_template)
+        if chat and not self.has_template:
+            raise GcfError("The model's tokenizer has no chat template, so conversational rows (or chat_format=chat) cannot be rendered; "
+                           "pass chat_template (a Jinja string or file), or use string rows with chat_format=raw.")
+        return chat
+
+    def mode(self, conversational: bool) -> str:
+        return "chat" if self.uses_chat(conversational) else "raw"
+
+    # -- pieces
+    def _render(self, messages: Messages, generation_prompt: bool) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        except Exception as e:  # jinja's TemplateError, the sandbox's SecurityError, a template's raise_exception
+            raise _template_error(e) from e
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _with_system(self, messages: Messages) -> Messages:
+        if self.system_prompt is None or (messages and messages[0]["role"] == "system"):
+            return messages
+        return [{"role": "system", "content": self.system_prompt}, *messages]
+
+    def _raw(self, text: str, special: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _end_at_eos(self, ids: list[int]) -> list[int]:
+        """A completion up to and including its last EOS; EOS appended where there is none."""
+        if self.eos in ids:
+            return ids[: len(ids) - ids[::-1].index(self.eos)]
+        return ids + [self.eos]
+
+    # -- what methods call
+    def prompt_ids(self, prompt: Text) -> list[int]:
+        """Token ids of a prompt: the template with the generation prompt, or the raw string with special tokens."""
+        if self.uses_chat(isinstance(prompt, list)):
+            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return self._render(self._with_system(msgs), True)
+        return self._raw(prompt, True)  # type: ignore[arg-type]
+
+    def completion_ids(self, prompt: Text, completion: Text, i: int = 0) -> list[int]:
+        """Token ids of a completion that follow the prompt's ids, EOS-ended."""
+        if not self.uses_chat(isinstance(prompt, list)):
+            return self._raw(completion, False) + [self.eos]  # type: ignore[arg-type]
+        p_msgs = self._with_system(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        c_msgs = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        p, full = self._render(p_msgs, True), self._render(p_msgs + c_msgs, False)
+        if full[: len(p)] != p or len(full) == len(p):
+            raise GcfError(f"Row {i}: the chat template does not render the prompt as the start of the whole conversation, so the "
+                           "completion's tokens cannot be told apart exactly; use chat_format=raw or a chat_template that keeps earlier turns.")
+        return self._end_at_eos(full[len(p):])
+
+    def pair(self, prompt: Text, completion: Text, i: int = 0) -> tuple[list[int], list[int]]:
+        return self.prompt_ids(prompt), self.completion_ids(prompt, completion, i)
+
+    def demonstration(self, row: dict[str, Any], i: int = 0) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of a language-modeling or prompt-completion row."""
+        if "text" in row:
+            ids = self._raw(row["text"], True)
+            ids = ids if ids[-1:] == [self.eos] else ids + [self.eos]
+            return ids, [0] + [1] * (len(ids) - 1)
+        if "messages" in row:
+            return self.conversation(row["messages"], i)
+        p, c = self.pair(row["prompt"], row["completion"], i)
+        return p + c, [0] * len(p) + [1] * len(c)
+
+    def conversation(self, messages: Messages, i: int = 0) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a whole conversation: every assistant turn trained (assistant_only_loss), or every token."""
+        self.uses_chat(True)
+        msgs = self._with_system(messages)
+        full = self._render(msgs, False)
+        if not self.assistant_only_loss:
+            return full, [0] + [1] * (len(full) - 1)
+        mask = [0] * len(full)
+        for k, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(msgs[:k], True) if k else []
+            upto = self._render(msgs[: k + 1], False)
+            if upto[: len(before)] != before or full[: len(upto)] != upto:
+                raise GcfError(f"Row {i}: the chat template renders earlier turns differently once later ones follow, so assistant turn {k} "
+                               "cannot be located exactly; set assistant_only_loss=false or pass a chat_template that keeps earlier turns.")
+            span = self._end_at_eos(upto[len(before):]) if self.eos in upto[len(before):] else upto[len(before):]
+            for j in range(len(before), len(before) + len(span)):
+                mask[j] = 1
+        if not any(mask[1:]):
+            raise GcfError(f"Row {i}: the conversation has no assistant message to train on (assistant_only_loss=true).")
+        return full, mask
+
+
+# --------------------------------------------------------------------------- encoding a dataset
+
+
+@dataclass
+class Encoded:
+    """A method's data as token ids: examples, the rows they came from, and what was skipped and why."""
+
+    kind: str
+    format: str
+    conversational: bool
+    mode: str
+    examples: list[Any] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
+def encode(kind: str, rows: Sequence[dict[str, Any]], fmt: Formatter, max_length: int, long_prompts: str = "skip", method: str = "this method") -> Encoded:
+    """Check, convert and tokenise rows for a kind of data (module docstring); long prompts skipped and counted, or refused.
+
+    Examples: demonstrations (ids, mask); prompts: prompt ids; pairs: (prompt, chosen, rejected) ids; labelled: (prompt, completion) ids.
+    """
+    form, checked = as_kind(rows, kind, method)
+    conv = is_conversational(checked[0])
+    out = Encoded(kind, form, conv, fmt.mode(conv))
+    for i, row in enumerate(checked):
+        if kind == "demonstrations":
+            ids, mask = fmt.demonstration(row, i)
+            if "prompt" in row and mask.index(1) >= max_length:
+                if _long(out, long_prompts, i, mask.index(1), max_length):
+                    continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask[1:]):
+                out.skipped["no trained token within max_length"] += 1
+                continue
+            out.examples.append((ids, mask))
+        else:
+            p = fmt.prompt_ids(row["prompt"])
+            if len(p) >= max_length and _long(out, long_prompts, i, len(p), max_length):
+                continue
+            room = max_length - len(p)
+            if kind == "prompts":
+                out.examples.append(p)
+            elif kind == "pairs":
+                out.examples.append((p, fmt.completion_ids(row["prompt"], row["chosen"], i)[:room], fmt.completion_ids(row["prompt"], row["rejected"], i)[:room]))
+            else:
+                out.examples.append((p, fmt.completion_ids(row["prompt"], row["completion"], i)[:room]))
+        out.rows.append(row)
+    if not out.examples:
+        raise GcfError(f"No row of the data is usable for {method} ({'; '.join(f'{n} {why}' for why, n in out.skipped.items())}); raise max_length.")
+    return out
+
+
+def _long(out: Encoded, long_prompts: str, i: int, n: int, max_length: int) -> bool:
+    """Count a prompt of n >= max_length tokens as skipped (True), or refuse it."""
+    if long_prompts == "error":
+        raise GcfError(f"Row {i}: the prompt has {n} tokens, at least max_length={max_length}; raise max_length or set long_prompts=skip.")
+    out.skipped[f"prompt of max_length={max_length} tokens or more"] += 1
+    return True
