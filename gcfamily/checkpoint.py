@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,10 +64,13 @@ def _flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2, keys: set[str] | None = None) -> Path:
+def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2, keys: set[str] | None = None,
+         extras: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoint `root/step-{step}` atomically and prune to the newest keep_last.
 
-    `keys` limits the weights written to those names (LoRA: the adapters; the frozen base is --model's)."""
+    `keys` limits the weights written to those names (LoRA: the adapters; the frozen base is --model's).
+    `extras(folder)` writes more files before the marker (config.json and the tokenizer, so that
+    from_pretrained loads a full-weight checkpoint)."""
     weights = _flat_state(model)
     if keys is not None:
         weights = {k: v for k, v in weights.items() if k in keys}
@@ -81,8 +84,10 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_file(weights, str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         torch.save(state, tmp / "state.pt")
+        if extras is not None:
+            extras(tmp)
     except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
         shutil.rmtree(tmp, ignore_errors=True)
         raise GcfError(f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); "

@@ -81,7 +81,9 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     overrides.update(parse_sets(sets))
     cfg = resolve(config_path, overrides)
     if "output_dir" not in cfg.explicit:
-        cfg = _default_output_dir(cfg, resume)
+        from gcfamily.api import default_output_dir
+
+        cfg = default_output_dir(cfg, resume)
         if nproc > 1 and "run" in sys.argv:  # every process must write to the same folder
             sys.argv += ["--output-dir", cfg.output_dir]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of torchrun (or of --nproc)
@@ -100,32 +102,9 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     from gcfamily.trainer import Trainer
 
     trainer = Trainer(cfg, resume=resume)
-    out = trainer.run()
-    click.echo(f"done: {trainer.step} steps; model and metrics in {out}")
-
-
-def _default_output_dir(cfg: Any, resume: Optional[str]) -> Any:
-    """A run given no --output-dir gets a folder of its own: runs/METHOD-MODEL-TIME.
-
-    `--resume PATH` without --output-dir continues in PATH's run folder; a bare `--resume`
-    needs the folder. Under torchrun every process takes the name from the shared run id.
-    """
-    import dataclasses
-    import time
-    from pathlib import Path
-
-    if resume not in (None, "latest"):
-        p = Path(resume)
-        run_dir = p.parent.parent if p.parent.name == "checkpoints" else p
-        return dataclasses.replace(cfg, output_dir=str(run_dir))
-    if resume == "latest":
-        raise GcfError("--resume without a path needs --output-dir (the folder of the run to continue).")
-    stamp = os.environ.get("TORCHELASTIC_RUN_ID") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    from gcfamily.methods import method_label
-
-    model = Path(cfg.model).name or "model"
-    return dataclasses.replace(cfg, output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
+    trainer.run()
+    if trainer.is_main:
+        click.echo(trainer.summary())
 
 
 @main.command()

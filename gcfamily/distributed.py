@@ -303,7 +303,8 @@ class DistEnv:
         if self.is_main:
             state = {**trainer.training_state(), "optimizer": optim, "method": method_state, "rank_rng": rngs, "strategy": self.strategy}
             as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint.save reads of a model
-            path = checkpoint.save(trainer.out_dir / "checkpoints", trainer.step, as_model, state, trainer.cfg.keep_last, trainer.weight_keys())
+            path = checkpoint.save(trainer.out_dir / "checkpoints", trainer.step, as_model, state, trainer.cfg.keep_last, trainer.weight_keys(),
+                                   trainer.checkpoint_extras())
         dist.barrier()
         return path
 

@@ -110,7 +110,7 @@ class Trainer:
         self._stop_signal: Optional[str] = None
         if state is not None:
             self._restore(state)
-        self.logger = RunLogger(self.out_dir, enabled=self.is_main)
+        self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
 
     # ------------------------------------------------------------------ setup helpers
     def _check_output_dir(self, resume: Optional[str]) -> None:
@@ -261,6 +261,7 @@ class Trainer:
     def run(self) -> Path:
         """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
         cfg = self.cfg
+        self.started = time.perf_counter()
         restore_handlers = self._install_signal_handlers()
         bar = self._progress()
         try:
@@ -315,6 +316,9 @@ class Trainer:
                 self.logger.log(self.step, self.evaluate())
             self.save_checkpoint()
             self.save_final()
+            self.final_saved = True
+            if self.is_main:
+                self.write_card()
         finally:
             restore_handlers()
             if bar is not None:
@@ -413,7 +417,20 @@ class Trainer:
             return self.dist.save_checkpoint(self)
         if not self.is_main:
             return None
-        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last, self.weight_keys())
+        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last,
+                               self.weight_keys(), self.checkpoint_extras())
+
+    def checkpoint_extras(self) -> Optional[Callable[[Path], None]]:
+        """What makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer (LoRA ones hold only adapters)."""
+        if self.weight_keys() is not None:
+            return None
+        model = self.unwrapped_policy()
+
+        def write(folder: Path) -> None:
+            model.config.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+
+        return write
 
     def _load_checkpoint(self, resume: str) -> dict[str, Any]:
         """Weights and the method's state into the plain models; the rest waits for _restore."""
@@ -450,6 +467,31 @@ class Trainer:
         model = self.unwrapped_policy()
         precision.save_pretrained(model, self.out_dir, model.state_dict(), self.cfg.save_dtype)
         self.tokenizer.save_pretrained(self.out_dir)
+
+    def write_card(self) -> None:
+        """The final folder's README.md: method, base model, data, settings and final metrics (gcfamily/card.py)."""
+        from gcfamily.card import write_model_card
+        from gcfamily.logger import read_metrics
+        from gcfamily.methods.onpolicy import OnPolicy
+
+        m = self.method
+        info = {"name": self.cfg.method, "data_source": m.data_source, "gc_formula": m.gc_formula, "on_policy": isinstance(m, OnPolicy)}
+        write_model_card(self.out_dir, to_dict(self.cfg), read_metrics(self.out_dir), self.cfg.model, info)
+
+    def summary(self) -> str:
+        """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""
+        from gcfamily.card import summary
+        from gcfamily.logger import read_metrics
+
+        rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
+        seconds = time.perf_counter() - getattr(self, "started", time.perf_counter())
+        return summary(rows, self.step, seconds, self.out_dir, getattr(self, "final_saved", False))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Prompts, completions and rewards of a step to completions.jsonl and the trackers (every log_completions_every steps)."""
+        every = self.cfg.log_completions_every
+        if every and step % every == 0 and getattr(self, "logger", None) is not None:
+            self.logger.completions(step, rows)
 
     # ------------------------------------------------------------------ signals and progress
     def _install_signal_handlers(self) -> Callable[[], None]:

@@ -130,6 +130,9 @@ class OnPolicy(Method):
             "stat/completion/length_mean": float(lengths.mean()),
             "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
         }
+        if hasattr(trainer, "log_samples"):  # the first completion of each of the first 8 prompts, at the metrics' step number
+            trainer.log_samples(step + 1, [{"prompt": prompts[i], "completion": ro.completions[i], "reward": float(rewards[i]) if valid[i] else None}
+                                           for i in range(0, min(len(prompts), 8 * G), G)])
         if errors and not self.warned_reward:  # once per run; every step's count is in reward/failed
             self.warned_reward = True
             print(f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "

@@ -1,0 +1,98 @@
+"""The Python door: `gcfamily.train(...)`, the same run as `gcf run`, with objects where the CLI takes names.
+
+    import gcfamily as gcf
+    out = gcf.train(method="grpo", model="tiny", dataset=ds, reward=my_reward, max_steps=10)
+
+- `method`: a name, `module:Class`, `path/file.py:Class`, or a Method subclass itself;
+- `model`: a name or folder, a transformers causal LM (trained in place; its tokenizer loads from its
+  name_or_path), or a `(model, tokenizer)` pair;
+- `dataset`, `eval_dataset`: a path or hub id, a `datasets.Dataset` / `DatasetDict`, or a list of dicts;
+- `reward`: a name or spec, a function (called in this process, TRL's keyword convention), or a list of them;
+- every other keyword is a setting (`gcf settings --method M` lists them), typed and checked as `--set` is.
+
+Returns the run folder. Errors are `gcfamily.errors.GcfError` with one sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from gcfamily.errors import GcfError
+
+
+def default_output_dir(cfg: Any, resume: Optional[str] = None) -> Any:
+    """A run given no output folder gets one of its own: runs/METHOD-MODEL-TIME.
+
+    `resume=PATH` continues in PATH's run folder; a bare resume ("latest") needs the folder. Under
+    torchrun every process takes the name from the shared run id.
+    """
+    if resume not in (None, "latest"):
+        p = Path(resume)  # type: ignore[arg-type]
+        run_dir = p.parent.parent if p.parent.name == "checkpoints" else p
+        return dataclasses.replace(cfg, output_dir=str(run_dir))
+    if resume == "latest":
+        raise GcfError("--resume without a path needs --output-dir (the folder of the run to continue).")
+    stamp = os.environ.get("TORCHELASTIC_RUN_ID") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
+    from gcfamily.methods import method_label
+
+    model = Path(cfg.model).name or "model"
+    return dataclasses.replace(cfg, output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
+
+
+def _reward_label(r: Any) -> str:
+    return r if isinstance(r, str) else getattr(r, "__qualname__", None) or getattr(r, "__name__", None) or type(r).__name__
+
+
+def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None, reward: Any = None, *,
+          eval_dataset: Any = None, output_dir: Optional[str] = None, resume: Optional[str] = None, **settings: Any) -> Path:
+    """Train and return the run folder (module docstring); the final model loads with from_pretrained(folder)."""
+    from gcfamily.config import Config, apply, resolve_settings
+    from gcfamily.dataset import describe
+    from gcfamily.methods.base import Method
+    from gcfamily.trainer import Trainer
+
+    values: dict[str, Any] = dict(settings)
+    method_cls = None
+    if isinstance(method, type):
+        if not issubclass(method, Method):
+            raise GcfError(f"method={method.__name__} is not a gcfamily Method subclass.")
+        method_cls, values["method"] = method, f"{method.__module__}:{method.__qualname__}"
+    else:
+        values["method"] = method
+    model_obj = None
+    if isinstance(model, (str, Path)):
+        values["model"] = str(model)
+    else:
+        model_obj = model
+        m = model[0] if isinstance(model, tuple) else model
+        values["model"] = str(getattr(m, "name_or_path", "") or type(m).__name__)
+    data_obj = eval_obj = None
+    for key, obj in (("dataset", dataset), ("eval_dataset", eval_dataset)):
+        if isinstance(obj, (str, Path)):
+            values[key] = str(obj)
+        elif obj is not None:
+            values[key] = describe(obj)
+            data_obj, eval_obj = (obj, eval_obj) if key == "dataset" else (data_obj, obj)
+    rewards = None
+    if reward is not None:
+        items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
+        if any(callable(r) for r in items):
+            rewards = items
+        values["reward"] = [_reward_label(r) for r in items] if len(items) > 1 else _reward_label(items[0])
+    if output_dir is not None:
+        values["output_dir"] = str(output_dir)
+    cfg = apply(Config(), values, "train()")
+    object.__setattr__(cfg, "explicit", sorted(values))
+    if method_cls is not None:
+        resolve_settings(cfg, method_cls)
+    else:
+        resolve_settings(cfg)
+    if output_dir is None:
+        cfg = default_output_dir(cfg, resume)
+    trainer = Trainer(cfg, resume=resume, method=method_cls, model=model_obj, dataset=data_obj, eval_dataset=eval_obj, rewards=rewards)
+    return trainer.run().resolve()
