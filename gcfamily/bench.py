@@ -359,7 +359,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
 @click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS, the same for each method; default time:210 (steps:60 with --quick).")
 @click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
-@click.option("--out", default=None, help="Output folder; default runs/bench (runs/bench-quick with --quick).")
+@click.option("--output-dir", "--out", "out", default=None, help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).")
 @click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")
 @click.option("--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default.")
 @click.option("--fresh", is_flag=True, help="Run every method again, even one that already finished in --out with the same settings.")

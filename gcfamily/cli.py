@@ -58,7 +58,8 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 @click.option("--method", help="Method: a name from `gcf methods`, module:Class or path/to/file.py:Class.")
 @click.option("--model", help="Alias (tiny, smollm2-135m, qwen-0.5b), hub id or local folder.")
 @click.option("--task", help="Built-in task (arithmetic, countdown, sorting, ...).")
-@click.option("--dataset", help="Local JSONL/JSON/parquet/CSV file or hub dataset name.")
+@click.option("--dataset", help="JSONL/JSON/parquet/CSV file, save_to_disk folder, or hub id (org/name); any TRL format the method takes.")
+@click.option("--dataset-config", help="The hub dataset's configuration (subset), e.g. main.")
 @click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
 @click.option("--set", "sets", multiple=True, help="Override any setting: --set key=value (repeatable).")
 @click.option("--max-steps", type=int)
@@ -202,25 +203,71 @@ def tasks() -> None:
         click.echo(f"{name}: {getattr(cls, 'description', '')}")
 
 
+@main.command("data")
+@click.option("--method", default="sft", show_default=True, help="The method whose view of the data to show.")
+@click.option("--model", default="smollm2-135m", show_default=True, help="Whose tokenizer (and chat template) to use.")
+@click.option("--dataset", help="File, save_to_disk folder or hub id; without it, the task's rows as the method makes them.")
+@click.option("--dataset-config", help="The hub dataset's configuration (subset).")
+@click.option("--task", default=None, help="Built-in task, when there is no --dataset.")
+@click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
+@click.option("--set", "sets", multiple=True, help="Settings: chat_format, system_prompt, columns, max_length, ... (key=value).")
+@click.option("--rows", default=3, show_default=True, type=click.IntRange(0, 1000), help="Rows to print.")
+def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opts: Any) -> None:
+    """Show what a method trains on: format, chat format, rows kept and skipped, lengths, and the first rows as tokenised."""
+    from gcfamily.config import parse_sets, resolve
+    from gcfamily.inspect_data import describe
+
+    overrides = _overrides(**opts)
+    overrides.update(parse_sets(sets))
+    click.echo(describe(resolve(config_path, overrides), rows))
+
+
 @main.command("eval")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Alias, hub id or local folder (e.g. a run folder).")
 @click.option("--task", default="arithmetic", show_default=True)
+@click.option("--dataset", default=None, help="Your held-out rows instead of a task (file, save_to_disk folder or hub id); needs --reward.")
+@click.option("--dataset-config", default=None, help="The hub dataset's configuration (subset).")
+@click.option("--split", default="test", show_default=True, help="Split of --dataset.")
+@click.option("--reward", multiple=True, help="Reward(s) scoring --dataset completions: built-in name, module:function or file.py:function.")
 @click.option("--samples", default=200, show_default=True, type=int, help="Held-out prompts.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the task's train/test split.")
-@click.option("--set", "sets", multiple=True, help="Task options: --set level=1d-add.")
+@click.option("--set", "sets", multiple=True, help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).")
 @click.option("--device", default="auto", show_default=True)
-def eval_cmd(model: str, task: str, samples: int, max_new_tokens: int, seed: int, sets: tuple[str, ...], device: str) -> None:
-    """Held-out accuracy of a model on a task (greedy decoding)."""
+def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Optional[str], split: str, reward: tuple[str, ...], samples: int,
+             max_new_tokens: int, seed: int, sets: tuple[str, ...], device: str) -> None:
+    """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding."""
     import time
 
     from gcfamily.config import parse_sets
-    from gcfamily.evaluate import heldout_accuracy
     from gcfamily.models import load_model
-    from gcfamily.tasks import get_task
     from gcfamily.trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
+    if dataset is None and reward:
+        raise GcfError("--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset).")
+    if dataset is not None:
+        from gcfamily.config import Config, apply
+        from gcfamily.dataset import load_rows
+        from gcfamily.evaluate import evaluate_rows
+        from gcfamily.formats import Formatter
+        from gcfamily.rewards import Rewards
+
+        if not reward:
+            raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
+        cfg = apply(Config(), parse_sets(sets), "--set")
+        rows = load_rows(dataset, split, dataset_config, cfg.columns)
+        m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+        fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+        t0 = time.time()
+        out = evaluate_rows(m, fmt, rows, Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout), max_new_tokens, n=samples)
+        acc = f", accuracy {out['eval/accuracy']:.3f}" if "eval/accuracy" in out else ""
+        click.echo(f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
+                   f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s")
+        return
+    from gcfamily.evaluate import heldout_accuracy
+    from gcfamily.tasks import get_task
+
     t = get_task(task, seed=seed, **parse_sets(sets))
     m, tok = load_model(model, resolve_dtype("auto", dev), dev)
     t0 = time.time()
