@@ -411,7 +411,7 @@ def validate(cfg: Config) -> None:
         (cfg.chat_format in ("auto", "chat", "raw"), "chat_format must be auto, chat or raw"),
         (cfg.log_completions_every >= 0, "log_completions_every must be >= 0 (0 = off)"),
         (all(isinstance(k, str) and isinstance(v, str) for k, v in cfg.columns.items()), "columns must map names to column names, e.g. {prompt: question}"),
-        (all(r in ("tensorboard", "wandb", "none") for r in ([cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to)),
+        (isinstance(cfg.report_to, (str, list)) and all(r in ("tensorboard", "wandb", "none") for r in ([cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to)),
          "report_to must be tensorboard, wandb, none or a list of them"),
     ]
     for ok, msg in checks:

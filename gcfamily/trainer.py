@@ -35,7 +35,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise GcfError(f"device={name} was asked for but no CUDA GPU is available; use device=cpu.")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise GcfError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N.") from e
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
