@@ -45,7 +45,7 @@ def default_output_dir(cfg: Any, resume: Optional[str] = None) -> Any:
 
 
 def _reward_label(r: Any) -> str:
-    return r if isinstance(r, str) else getattr(r, "__qualname__", None) or getattr(r, "__name__", None) or type(r).__name__
+    return r if isinstance(r, str) else getattr(r, "__name__", None) or type(r).__name__
 
 
 def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None, reward: Any = None, *,

@@ -229,7 +229,7 @@ def format_reward(pattern: str, fullmatch: bool = False) -> RewardFn:
 
 
 def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return getattr(fn, "__name__", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def weighted_sum(terms: Sequence[tuple[RewardFn, float]]) -> RewardFn:
