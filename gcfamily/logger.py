@@ -162,8 +162,9 @@ class RunLogger:
     def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Record sampled completions: rows of {"prompt", "completion", "reward", ...extra keys}.
 
-        completions.jsonl keeps each row as given, plus its step; TensorBoard gets a markdown table under
-        "completions" and W&B a Table under the same key, with chat prompts shown as "role: content" lines.
+        completions.jsonl keeps each row as given (a non-finite reward as null), plus its step;
+        TensorBoard gets a markdown table under "completions" and W&B a Table under the same key,
+        with chat prompts shown as "role: content" lines.
         """
         if not self.enabled or not rows:
             return
