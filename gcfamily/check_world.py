@@ -76,6 +76,22 @@ class _StubTask:
         return [0.0] * len(prompts)
 
 
+class _StubFormatter:
+    """Token ids for the stub task's rows (a method's setup encodes them; its batches come from the World)."""
+
+    def mode(self, conversational: bool) -> str:
+        return "raw"
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        return [1]
+
+    def completion_ids(self, prompt: Any, completion: Any, i: int = 0) -> list[int]:
+        return [1]
+
+    def demonstration(self, row: dict, i: int = 0) -> tuple[list[int], list[int]]:
+        return [1, 1], [0, 1]
+
+
 class StubTrainer:
     """What a method's setup and prepare read from the Trainer; log-probs are the World's, by row id."""
 
@@ -83,6 +99,10 @@ class StubTrainer:
         self.cfg, self.world, self.tau = cfg, world, tau
         self.task, self.tokenizer, self.device = _StubTask(), None, torch.device("cpu")
         self.policy, self.ref = nn.Linear(1, 1), nn.Linear(1, 1)
+        self.formatter = _StubFormatter()
+
+    def training_rows(self) -> list[dict]:
+        return self.task.rows("train")
 
     def unwrapped_policy(self) -> nn.Module:
         return self.policy
