@@ -162,7 +162,14 @@ class Config(DataSettings):
     merge_lora: bool = False
     """Save the final model with the adapters merged into its weights (loadable by from_pretrained); the adapter goes to adapter/."""
 
+    # --- the run folder
+    allow_changed_settings: bool = False
+    """Let --resume continue with settings that change the trajectory (lr, batch, method, data, ...); the change is recorded
+    in run_config.json ("changes") and in the metrics. Off: a resume with such a change is refused, naming the differences."""
+
     # --- distribution
+    dist_timeout: float = 600.0
+    """Seconds a collective waits for the other processes before the run stops with one sentence (a process that died)."""
     strategy: str = "ddp"
     """ddp or fsdp2 when several processes run."""
     activation_checkpointing: bool = False
