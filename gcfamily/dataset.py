@@ -54,7 +54,7 @@ def describe(source: Any) -> str:
 
 def _pick_split(obj: Any, split: str, name: str) -> Any:
     """A DatasetDict's split (a clear error naming the splits it has); a Dataset as it is."""
-    if hasattr(obj, "keys") and not hasattr(obj, "column_names"):
+    if type(obj).__name__ in ("DatasetDict", "IterableDatasetDict") or (isinstance(obj, dict) and all(hasattr(v, "column_names") for v in obj.values())):
         if split not in obj:
             raise GcfError(f"Dataset {name} has no split '{split}'; its splits are {', '.join(sorted(obj))} (set dataset_split).")
         return obj[split]
@@ -80,6 +80,11 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
         if kind is None:
             raise GcfError(f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder.")
         try:
+            if kind == "csv":  # cells are text as written ("007", "1.50"), never numbers guessed from them
+                import csv
+
+                with open(path, newline="", encoding="utf-8") as f:
+                    return [{k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)]  # cells past the header dropped
             return ds_lib.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # datasets raises many types for malformed files
             raise GcfError(f"Dataset file {text} could not be read ({_first_line(e)}).") from e

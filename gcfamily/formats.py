@@ -340,7 +340,7 @@ def encode(kind: str, rows: Sequence[dict[str, Any]], fmt: Formatter, max_length
     """
     form, checked = as_kind(rows, kind, method)
     conv = is_conversational(checked[0])
-    out = Encoded(kind, form, conv, fmt.mode(conv))
+    out = Encoded(kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv))  # text rows are tokenised as written
     for i, row in enumerate(checked):
         if kind == "demonstrations":
             ids, mask = fmt.demonstration(row, i)

@@ -384,8 +384,6 @@ def test_every_container_gives_the_same_rows_and_ids(tmp_path, rows, with_csv):
         assert encode("demonstrations", got, formatter(), 512, method="sft").examples == want, name
 
 
-@pytest.mark.xfail(strict=True, raises=GcfError,
-                   reason="gcfamily/dataset.py:57 _pick_split: a DatasetDict has column_names too, so no split is picked")
 def test_a_dataset_dict_gives_the_split_asked_for(tmp_path):
     import datasets
 
@@ -399,8 +397,6 @@ def test_a_dataset_dict_gives_the_split_asked_for(tmp_path):
         assert "no split 'validation'" in str(err.value) and "its splits are test, train" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="gcfamily/dataset.py reads CSV with type inference: '007' trains as '7.0', '1.50' as '1.5'")
 def test_csv_cells_are_trained_as_written(tmp_path):
     (tmp_path / "d.csv").write_text("prompt,completion\nZip code?,007\nPrice?,1.50\n")
     e = encode("demonstrations", load_rows(str(tmp_path / "d.csv")), formatter(chat_format="raw"), 512, method="sft")
