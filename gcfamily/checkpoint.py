@@ -3,13 +3,17 @@
 A checkpoint folder `step-N/` holds the model (safetensors), and in `state.pt` the optimizer,
 scheduler, every RNG state, the step and the method's own state. `--resume` picks the newest
 folder that has the marker, so a process killed mid-write never leaves a half checkpoint
-that would be picked up.
+that would be picked up. `manifest.json` records the size and sha256 of every file; `--resume`
+checks it and falls back to the newest intact checkpoint when the newest is damaged (a file
+truncated, missing or changed), saying so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import random
 import shutil
 from pathlib import Path
@@ -22,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from gcfamily.errors import GcfError
 
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 
 
 def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
@@ -77,28 +82,31 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
     for k, v in weights.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise GcfError(f"Refusing to write a checkpoint with non-finite weights ({k}); the last good checkpoint is kept.")
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    try:  # every write, up to the rename: a full disk or a lost permission at any of them leaves the earlier checkpoints as they were
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         torch.save(state, tmp / "state.pt")
         if extras is not None:
             extras(tmp)
+        _test_pause()
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
+        (tmp / MARKER).write_text(str(step))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
     except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
         shutil.rmtree(tmp, ignore_errors=True)
-        raise GcfError(f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); "
-                       "free some disk space (or lower keep_last) and continue with --resume: the last complete checkpoint is intact.") from e
-    _test_pause()
-    (tmp / MARKER).write_text(str(step))
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+        last = complete_checkpoints(root)
+        kept = (f"the checkpoint of step {last[-1].name[5:]} is intact: free some disk space (or lower keep_last) and continue with --resume"
+                if last else "no checkpoint of this run was saved, so its steps are lost: free some disk space and run it again")
+        raise GcfError(f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); {kept}.") from e
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -133,29 +141,75 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(folder.iterdir()) if f.is_file()}
+
+
+def damage(path: Path) -> str | None:
+    """Why a checkpoint folder cannot be trusted (a file missing, truncated or changed), or None when it is intact."""
+    for name in ("model.safetensors", "state.pt"):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    if not (path / MANIFEST).is_file():
+        return None  # written before manifests existed: loading will tell
+    try:
+        files = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want.get("size"):
+            return f"{name} has {f.stat().st_size} bytes, not the {want.get('size')} written"
+        if _sha256(f) != want.get("sha256"):
+            return f"{name} changed since it was written"
+    return None
+
+
 def find(resume: str, run_dir: Path) -> Path:
-    """The checkpoint `--resume` means: the newest in the run folder, or a given folder."""
-    if resume in ("", "latest", "auto", "true", "True"):
-        found = complete_checkpoints(run_dir / "checkpoints")
-        if not found:
-            raise GcfError(f"No complete checkpoint in {run_dir / 'checkpoints'} to resume from; start without --resume.")
-        return found[-1]
-    p = Path(resume)
-    if (p / MARKER).is_file():
+    """The checkpoint `--resume` means: the newest intact one in the run folder (saying which damaged ones it passed), or a given folder."""
+    latest = resume in ("", "latest", "auto", "true", "True")
+    p = run_dir if latest else Path(resume)
+    if not latest and (p / MARKER).is_file():
+        why = damage(p)
+        if why:
+            raise GcfError(f"Checkpoint {p} is damaged ({why}); resume from another checkpoint or from the run folder (the newest intact one is taken).")
         return p
     found = complete_checkpoints(p / "checkpoints") or complete_checkpoints(p)
-    if found:
-        return found[-1]
-    raise GcfError(f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N.")
+    if not found:
+        if latest:
+            raise GcfError(f"No complete checkpoint in {run_dir / 'checkpoints'} to resume from; start without --resume.")
+        raise GcfError(f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N.")
+    for path in reversed(found):
+        why = damage(path)
+        if why is None:
+            return path
+        print(f"warning: checkpoint {path} is damaged ({why}); trying the one before it.", file=sys.stderr)
+    raise GcfError(f"Every checkpoint in {p / 'checkpoints'} is damaged; the run cannot be resumed: start it again.")
 
 
 def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> dict[str, Any]:
     """Load weights into model and return the saved training state; `keys`: the checkpoint holds exactly those (LoRA)."""
-    weights = load_file(str(path / "model.safetensors"))
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
+        raise GcfError(f"Checkpoint {path} has an unreadable model.safetensors ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint.") from e
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if keys is not None:
         missing = [k for k in keys if k not in weights]
     tied = {k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)}
     if unexpected or set(missing) - tied:
         raise GcfError(f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}).")
-    return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    try:
+        return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it without running it)
+        raise GcfError(f"Checkpoint {path} has an unreadable state.pt ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint.") from e

@@ -70,8 +70,10 @@ class DistEnv:
         self._roots: dict[int, nn.Module] = {}  # id(plain causal LM) -> its FSDP2-sharded LogprobModel
 
     @classmethod
-    def from_env(cls, device: str = "auto") -> Optional["DistEnv"]:
-        """The process group torchrun describes in the environment, or None when WORLD_SIZE <= 1."""
+    def from_env(cls, device: str = "auto", timeout_s: float = 600.0) -> Optional["DistEnv"]:
+        """The process group torchrun describes in the environment, or None when WORLD_SIZE <= 1.
+
+        A collective waits at most timeout_s for the other processes (dist_timeout), not torch's 30 minutes."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
@@ -85,7 +87,9 @@ class DistEnv:
         if use_cuda:
             torch.cuda.set_device(dev)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+            import datetime
+
+            dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None, timeout=datetime.timedelta(seconds=timeout_s))
         return cls(rank, world, local_rank, dev)
 
     @property
@@ -102,6 +106,12 @@ class DistEnv:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's obj on every rank (a decision rank 0 makes: a checkpoint path, an error message)."""
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # -- wrapping ----------------------------------------------------------------------
     def set_precision(self, prec: Any) -> None:

@@ -106,8 +106,9 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
     from gcfamily.trainer import Trainer
 
     rank, env = int(os.environ.get("RANK", "0")), None
+    die_with_parent()
     try:
-        env = DistEnv.from_env(cfg.device)
+        env = DistEnv.from_env(cfg.device, cfg.dist_timeout)
         assert env is not None, "run_process is for WORLD_SIZE > 1"
         env.check(cfg)
         trainer = Trainer(cfg, resume=resume, dist_env=env)
@@ -130,6 +131,28 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
     finally:
         if env is not None:
             env.close()
+
+
+def die_with_parent() -> None:
+    """Never outlive the launcher: the kernel sends SIGKILL to this process when its parent (torchrun's agent,
+    inside `gcf run --nproc N`) dies, however it dies; a watchdog thread does the same where prctl is missing."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        import threading
+        import time
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="gcf-parent-watchdog", daemon=True).start()
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

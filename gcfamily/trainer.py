@@ -11,13 +11,14 @@ import json
 import math
 import resource
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from gcfamily import checkpoint, distributed, engine, lora, precision
+from gcfamily import checkpoint, distributed, engine, lora, precision, runfolder
 from gcfamily.config import Config, resolve_settings, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.dataset import load_rows
@@ -73,8 +74,18 @@ class Trainer:
         self.dist = dist_env
         self.is_main = dist_env is None or dist_env.rank == 0
         self.out_dir = Path(cfg.output_dir)
-        self._check_output_dir(resume)
         self.device = resolve_device(cfg.device) if dist_env is None else dist_env.device
+        self.lock = runfolder.RunLock(self.out_dir)
+        resume_path = self._check_output_dir(resume)  # takes the folder's lock: released on any failure from here on
+        try:
+            self._build(resume_path, method, model)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, resume_path: Optional[Path], method: Optional[type], model: Any) -> None:
+        """Everything after the run folder is ours: models, the method's data, the optimizer, a resumed state."""
+        cfg, dist_env = self.cfg, self.dist
         # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
         self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
         self.dtype = self.precision.master  # what every model of the run is loaded in
@@ -96,7 +107,8 @@ class Trainer:
         self.method: Method = self.method_cls(cfg)
         self.method.setup(self)  # may load a reference or a critic from the untouched policy
         self._check_evaluation()
-        state = self._load_checkpoint(resume) if resume is not None else None  # into the plain models, before any wrapping
+        self._check_room()
+        state = self._load_checkpoint(resume_path) if resume_path is not None else None  # into the plain models, before any wrapping
         if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if dist_env is not None:
@@ -113,21 +125,93 @@ class Trainer:
         self._stop_signal: Optional[str] = None
         if state is not None:
             self._restore(state)
+            if self.change is not None:
+                self._apply_changed_settings()
         self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
+        if self.change is not None:
+            self.logger.log(self.step, {"settings_changed": 1.0})
 
     # ------------------------------------------------------------------ setup helpers
-    def _check_output_dir(self, resume: Optional[str]) -> None:
-        holds_run = (self.out_dir / "run_config.json").is_file() or (self.out_dir / "metrics.jsonl").is_file()
-        if holds_run and resume is None and not self.cfg.overwrite:
-            raise GcfError(f"Output folder {self.out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir.")
-        if self.dist is not None:
-            self.dist.barrier()  # every rank has looked before rank 0 writes
+    def _decide(self, fn: Callable[[], Any]) -> Any:
+        """fn() run once, on rank 0 under torch.distributed, its result (or its one-sentence error) on every rank."""
+        if self.dist is None:
+            return fn()
+        out, err = None, None
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            if holds_run and resume is None:  # --overwrite: start clean, but never touch other files
-                for name in ("metrics.jsonl", "run_config.json"):
-                    (self.out_dir / name).unlink(missing_ok=True)
-            (self.out_dir / "run_config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
+            try:
+                out = fn()
+            except GcfError as e:
+                err = str(e)
+        out, err = self.dist.broadcast((out, err))
+        if err is not None:
+            raise GcfError(err)
+        return out
+
+    def _check_output_dir(self, resume: Optional[str]) -> Optional[Path]:
+        """The run folder as a transaction (runfolder.py): refuse a folder that would lose or mix work, take its lock,
+        clear a replaced run, check a resume's settings and choose its checkpoint (rank 0 chooses for all). Returns it."""
+        cfg, out = self.cfg, self.out_dir
+
+        def prepare() -> tuple[Optional[str], Optional[dict[str, Any]]]:
+            runfolder.check_target(out, cfg.model, resume, cfg.overwrite)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise GcfError(f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir.") from e
+            runfolder.check_writable(out, 0)
+            runfolder.say(self.lock.acquire())
+            try:
+                return self._prepare_folder(resume)
+            except BaseException:
+                self.lock.release()
+                raise
+
+        path, self.change = self._decide(prepare)
+        return None if path is None else Path(path)
+
+    def _prepare_folder(self, resume: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        """Rank 0, holding the lock: (the checkpoint to resume, the recorded change of settings)."""
+        cfg, out = self.cfg, self.out_dir
+        saved = json.loads((out / "run_config.json").read_text()) if (out / "run_config.json").is_file() else {}
+        path, change = None, None
+        if resume is None and cfg.overwrite:
+            removed = runfolder.clear_previous_run(out)
+            if removed:
+                print(f"note: --overwrite removed the previous contents of {out} ({', '.join(removed[:5])}{', ...' if len(removed) > 5 else ''}).", file=sys.stderr)
+        runfolder.clean_partial_checkpoints(out)
+        record = to_dict(cfg)
+        if resume is not None:
+            path = checkpoint.find(resume, out)
+            step = int(path.name[5:]) if path.name[5:].isdigit() else None
+            change = runfolder.check_resume(out, record, cfg.allow_changed_settings, step)
+            record["changes"] = (saved.get("changes") or []) + ([{"step": step, "changed": change["changed"]}] if change else [])
+            if step is not None:
+                runfolder.truncate_logs(out, step)
+        (out / "run_config.json").write_text(json.dumps(record, indent=2))
+        return (None if path is None else str(path)), change
+
+    def _check_room(self) -> None:
+        """Rank 0: the disk holds a checkpoint (the trained weights and AdamW's two moments, in the master dtype, plus 10%)."""
+        if not self.is_main:
+            return
+        params = self.policy.parameters()
+        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        weights = trained if lora.is_peft(self.policy) else sum(p.numel() * p.element_size() for p in self.policy.parameters())
+        runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1))
+
+    def _apply_changed_settings(self) -> None:
+        """allow_changed_settings: the resumed optimizer takes the new lr, schedule, weight decay and betas (the checkpoint holds the old)."""
+        cfg = self.cfg
+        total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
+        f = engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio)
+        groups = self.optimizer.param_groups
+        self.scheduler.base_lrs = [cfg.lr] * len(groups)
+        self.scheduler.lr_lambdas = [f] * len(groups)
+        for i, g in enumerate(groups):
+            g["initial_lr"], g["lr"], g["betas"] = cfg.lr, cfg.lr * f(self.scheduler.last_epoch), tuple(cfg.adam_betas)
+            if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
+                g["weight_decay"] = cfg.weight_decay
+        self.scheduler._last_lr = [g["lr"] for g in groups]
 
     def training_rows(self) -> list[dict[str, Any]]:
         """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
@@ -318,7 +402,11 @@ class Trainer:
             if cfg.eval_at_ends:
                 self.logger.log(self.step, self.evaluate())
             self.save_checkpoint()
-            self.save_final()
+            try:
+                self.save_final()
+            except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
+                raise GcfError(f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
+                               f"step {self.step} is intact: free some space and run the same command with --resume to write the model.") from e
             self.final_saved = True
             if self.is_main:
                 self.write_card()
@@ -327,6 +415,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.logger.close()
+            self.lock.release()
         return self.out_dir
 
     def _time_to_evaluate(self, before_s: float) -> bool:
@@ -435,9 +524,8 @@ class Trainer:
 
         return write
 
-    def _load_checkpoint(self, resume: str) -> dict[str, Any]:
-        """Weights and the method's state into the plain models; the rest waits for _restore."""
-        path = checkpoint.find(resume, self.out_dir)
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest waits for _restore."""
         state = distributed.local_state(checkpoint.load(path, self.unwrapped_policy(), self.weight_keys()), self.dist)
         self.method.load_state_dict(state["method"])
         return state
