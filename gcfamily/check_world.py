@@ -76,7 +76,7 @@ class _StubTask:
         return [0.0] * len(prompts)
 
 
-class _StubFormatter:
+class StubFormatter:
     """Token ids for the stub task's rows (a method's setup encodes them; its batches come from the World)."""
 
     def mode(self, conversational: bool) -> str:
@@ -99,7 +99,7 @@ class StubTrainer:
         self.cfg, self.world, self.tau = cfg, world, tau
         self.task, self.tokenizer, self.device = _StubTask(), None, torch.device("cpu")
         self.policy, self.ref = nn.Linear(1, 1), nn.Linear(1, 1)
-        self.formatter = _StubFormatter()
+        self.formatter = StubFormatter()
 
     def training_rows(self) -> list[dict]:
         return self.task.rows("train")

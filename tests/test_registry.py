@@ -212,7 +212,7 @@ def test_gspo_from_its_file_trains_two_steps(gcf, monkeypatch, tmp_path):
 
 
 def test_a_run_without_output_dir_is_named_after_the_rule(monkeypatch):
-    from gcfamily.cli import _default_output_dir
+    from gcfamily.api import default_output_dir as _default_output_dir
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -114,12 +114,13 @@ def test_consecutive_non_finite_steps_stop_with_checkpoint_intact(tmp_path):
     assert all(torch.isfinite(v).all() and torch.equal(v, w3[k]) for k, v in w2.items())
 
 
-def _gcf_proc(out: Path, steps: int, extra_env: dict | None = None, resume: bool = False) -> subprocess.Popen:
+def _gcf_proc(out: Path, steps: int, extra_env: dict | None = None, resume: bool = False, *more: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--max-steps", str(steps),
             "--output-dir", str(out), "--set", "lr=1e-3", "--set", "batch_size=4", "--set", "save_every=1",
             "--set", "progress=false", "--set", "lr_schedule=cosine"]
     if resume:
         args.append("--resume")
+    args += list(more)
     env = {**os.environ, **(extra_env or {})}
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -170,7 +171,8 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     err = p.stderr.read()
     assert code == 128 + signal.SIGTERM and "--resume" in err and "Traceback" not in err
     assert list((out / "checkpoints").glob("step-*/COMPLETE"))
-    r = _gcf_proc(out, 1, resume=True)  # already past step 1: resumes and finishes at once
+    # already past step 1: resumes and finishes at once (a shorter cosine schedule is a change of settings, said so)
+    r = _gcf_proc(out, 1, None, True, "--set", "allow_changed_settings=true")
     assert r.wait(timeout=300) == 0, r.stderr.read()
 
 

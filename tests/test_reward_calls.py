@@ -143,7 +143,7 @@ def test_a_keyword_function_needing_a_missing_column_is_one_sentence():
     def needs_solution(completions, solution):
         return [1.0] * len(completions)
 
-    with pytest.raises(GcfError, match=r"reward function 'test_a_keyword.*needs_solution' needs an argument 'solution'.*columns: answer"):
+    with pytest.raises(GcfError, match=r"reward function 'needs_solution' needs an argument 'solution'.*columns: answer"):
         score(needs_solution, ["p"], ["c"], {"answer": ["1"]})
 
 
@@ -197,7 +197,7 @@ def test_none_means_no_reward_a_failed_sample():
 
     r, valid, errors = score(sometimes, ["p"] * 3, ["a", "skip", "b"], {})
     assert valid.tolist() == [True, False, True] and r.tolist() == [2.0, 0.0, 2.0]
-    assert errors == ["reward function 'test_none_means_no_reward_a_failed_sample.<locals>.sometimes' returned None on sample 1"]
+    assert errors == ["reward function 'sometimes' returned None on sample 1"]
 
 
 # --------------------------------------------------------------------------- several rewards

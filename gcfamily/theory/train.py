@@ -27,6 +27,7 @@ from gcfamily import engine
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
+from gcfamily.check_world import StubFormatter
 from gcfamily.methods.base import Batch, Method
 from gcfamily.models import load_reference
 from gcfamily.theory import predictions
@@ -46,6 +47,10 @@ class BanditRunner:
         self.cfg, self.policy, self.task = cfg, policy, problem
         self.device = torch.device("cpu")
         self.tokenizer = None
+        self.formatter = StubFormatter()  # the bandit's prompts are token ids of its own: setup only counts the rows
+
+    def training_rows(self) -> list[dict]:
+        return self.task.rows("train")
 
     def unwrapped_policy(self) -> BanditLM:
         return self.policy
