@@ -203,7 +203,12 @@ def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> di
         weights = load_file(str(path / "model.safetensors"))
     except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
         raise GcfError(f"Checkpoint {path} has an unreadable model.safetensors ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint.") from e
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes that differ: a checkpoint of another architecture or size
+        first = str(e).strip().splitlines()
+        raise GcfError(f"Checkpoint {path} does not fit this model ({(first[1] if len(first) > 1 else first[0]).strip()[:240]}); "
+                       "resume with the --model and settings the run started with.") from e
     if keys is not None:
         missing = [k for k in keys if k not in weights]
     tied = {k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)}

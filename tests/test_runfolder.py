@@ -246,3 +246,11 @@ def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_checkpoint_resumed_into_another_architecture_is_one_sentence(gcf, tmp_path):
+    out = tmp_path / "r"
+    assert run(gcf, out, steps=1)[0] == 0
+    code, _, err = gcf("run", "--method", "sft", "--model", "smollm2-135m", "--max-steps", "2", "--output-dir", str(tmp_path / "o"),
+                       "--resume", str(out / "checkpoints" / "step-1"), *SMALL)
+    one_error(code, err, "does not fit this model (size mismatch")
