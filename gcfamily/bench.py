@@ -309,8 +309,9 @@ def _load() -> str:
 
 
 def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optional[str], quick: bool,
-              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print, fresh: bool = False) -> dict[str, Any]:
-    """Run every method in its own subprocess, then write bench.md, bench.json and the plots into out."""
+              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print, fresh: bool = False,
+              seeds: int = 1, baseline: Optional[str] = None) -> dict[str, Any]:
+    """Run every method (seeds times: OUT/METHOD/seed-K) in its own subprocess, then write bench.md, bench.json and the plots into out."""
     suite = SUITES["quick" if quick else "default"]
     model = model or suite["model"]
     budget = budget or suite["budget"]
@@ -319,7 +320,19 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     if len(set(names.values())) != len(names):
         raise GcfError(f"--methods names a method twice ({', '.join(methods)}).")
     check_sets(sets, methods)
-    plans = {names[s]: {"method_spec": s, "settings": run_settings(suite, s, names[s], model, task, stop, sets, out)} for s in methods}
+    if baseline is not None and baseline not in names.values():
+        raise GcfError(f"--baseline {baseline} is not one of the suite's methods ({', '.join(names.values())}).")
+    if seeds < 1:
+        raise GcfError("--seeds must be at least 1.")
+    plans = {}
+    for spec in methods:
+        for k in range(seeds):
+            key = names[spec] if seeds == 1 else f"{names[spec]}/seed-{k}"
+            settings = run_settings(suite, spec, names[spec], model, task, stop, sets, out)
+            base = int(settings.get("seed", 0))
+            # seeds base..base+N-1; the task (its problems, split and held-out prompts) stays at the base seed for every method and seed
+            settings.update(seed=base + k, task_seed=settings.get("task_seed", base), output_dir=str(out / key))
+            plans[key] = {"method_spec": spec, "settings": settings}
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     threads = threads or (1 if quick else None)  # a tiny model gains nothing from a second thread, and loses much on a busy machine
@@ -345,10 +358,19 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
             echo(f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
                  f"{fmt(r.get('accuracy_after'), '.3f')}, {fmt(r.get('step_s_median'), '.3g')} s/step, peak {proc['max_rss_mb']:.0f} MB")
     header.update(load_end=_load(), total_s=sum(r.get("wall_s", 0.0) for r in results.values()), kept=kept)
-    (out / "bench.md").write_text(table(results, header))
+    per_method: dict[str, list[dict[str, Any]]] = {}
+    for key, r in results.items():
+        per_method.setdefault(key.split("/")[0], []).append(r)
+    if seeds > 1 or baseline is not None:
+        from gcfamily.bench_seeds import band_plots, seeds_table
+
+        (out / "bench.md").write_text(seeds_table(per_method, header, baseline or next(iter(per_method))))
+        pngs = band_plots(per_method, out) + plots({k: r for k, r in results.items() if k.endswith("seed-0") or "/" not in k}, out)
+    else:
+        (out / "bench.md").write_text(table(results, header))
+        pngs = plots(results, out)
     (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
                                                 "results": results}, indent=1, default=str))
-    pngs = plots(results, out)
     echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}, " + ", ".join(str(p) for p in pngs))
     return {"header": header, "results": results}
 
@@ -363,14 +385,16 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")
 @click.option("--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default.")
 @click.option("--fresh", is_flag=True, help="Run every method again, even one that already finished in --out with the same settings.")
+@click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True, help="Runs per method (seeds 0..N-1): means, intervals and bands.")
+@click.option("--baseline", default=None, help="Method every other is compared with, paired over prompts and seeds; default the first.")
 def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optional[str], quick: bool, out: Optional[str],
-          sets: tuple[str, ...], threads: Optional[int], fresh: bool) -> None:
+          sets: tuple[str, ...], threads: Optional[int], fresh: bool, seeds: int, baseline: Optional[str]) -> None:
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
     folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
-    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo, fresh=fresh)
+    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline)
     failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
     if failed:
         raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

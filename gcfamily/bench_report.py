@@ -61,6 +61,11 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
         "gc": extra.get("gc"), "kl_s": extra.get("kl_s"), "params": extra.get("params"),
         "per_step": rows,
     })
+    cfg = json.loads((folder / "run_config.json").read_text()) if (folder / "run_config.json").is_file() else {}
+    res["seed"] = cfg.get("seed")
+    res["prompts_seen"] = len(steps) * cfg["batch_size"] if "batch_size" in cfg else None
+    params = extra.get("params")
+    res["train_flops"] = 6 * params * res["train_tokens"] + 2 * params * generated if params else None  # forward+backward, sampling
     return res
 
 

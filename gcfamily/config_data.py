@@ -13,6 +13,9 @@ from typing import Optional
 class DataSettings:
     """Datasets, columns and chat formatting, shared by every method."""
 
+    task_seed: Optional[int] = None
+    """Seed of the task's problems and train/test split; None takes the run's seed. `gcf bench --seeds N` fixes it at 0 so that every
+    method and seed is evaluated on the same held-out prompts."""
     dataset: Optional[str] = None
     """Training rows instead of the task's: a JSONL/JSON/parquet/CSV file, a save_to_disk folder, or a hub id (org/name).
     Any of TRL's formats the method takes (`gcf data` shows what a method makes of it)."""

@@ -17,10 +17,13 @@ from gcfamily.formats import Formatter, encode
 
 @torch.no_grad()
 def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], reward: Any, max_new_tokens: int = 32,
-                  batch_size: int = 64, n: Optional[int] = None, accuracy: Optional[bool] = None) -> dict[str, float]:
+                  batch_size: int = 64, n: Optional[int] = None, accuracy: Optional[bool] = None,
+                  details: Optional[list[dict[str, Any]]] = None) -> dict[str, float]:
     """eval/reward_mean, eval/reward_failed and eval/accuracy (with accuracy=None: where the rows carry an `answer`) over the first n rows.
 
     rows are prompt-only or prompt-completion rows; `reward` is a rewards.Rewards or any reward function.
+    `details`, when given, receives one {index, prompt, completion, reward} per row (reward None where it failed),
+    what `gcf bench` pairs across methods and seeds.
     """
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
@@ -35,9 +38,11 @@ def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], 
         out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
         columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
         scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
-        for r, valid in zip(scored.rewards.tolist(), scored.valid.tolist()):
+        for j, (r, valid) in enumerate(zip(scored.rewards.tolist(), scored.valid.tolist())):
             if valid:
                 total, ok, correct = total + r, ok + 1, correct + (r >= 1.0)
+            if details is not None:
+                details.append({"index": s + j, "prompt": part[j]["prompt"], "completion": out.completions[j], "reward": r if valid else None})
     m = len(data.rows)
     metrics = {"eval/reward_mean": total / max(ok, 1), "eval/reward_failed": float(m - ok), "eval/prompts": float(m)}
     if accuracy or (accuracy is None and "answer" in data.rows[0]):

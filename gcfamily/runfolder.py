@@ -30,7 +30,7 @@ from gcfamily.errors import GcfError
 LOCK = ".gcf.lock"
 RUN_MARKERS = ("run_config.json", "metrics.jsonl", "checkpoints")
 RUN_FILES = (
-    "run_config.json", "metrics.jsonl", "completions.jsonl", "tensorboard", "wandb", "checkpoints", "README.md",
+    "run_config.json", "metrics.jsonl", "completions.jsonl", "eval_details.jsonl", "tensorboard", "wandb", "checkpoints", "README.md",
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
     "added_tokens.json", "adapter_config.json", "adapter_model.safetensors", "adapter", "reward_model.json", "value_head.safetensors",
@@ -208,7 +208,7 @@ def check_resume(out_dir: Path, now: dict[str, Any], allow: bool, step: Optional
 
 def truncate_logs(out_dir: Path, step: int) -> None:
     """Drop metric and completion rows logged after `step` (a resume from step logs them again)."""
-    for name in ("metrics.jsonl", "completions.jsonl"):
+    for name in ("metrics.jsonl", "completions.jsonl", "eval_details.jsonl"):
         path = out_dir / name
         if not path.is_file():
             continue

@@ -227,7 +227,8 @@ class Trainer:
             return None
         from gcfamily.tasks import get_task
 
-        return get_task(self.cfg.task, seed=self.cfg.seed, **self.cfg.task_options)
+        seed = self.cfg.seed if self.cfg.task_seed is None else self.cfg.task_seed
+        return get_task(self.cfg.task, seed=seed, **self.cfg.task_options)
 
     # ------------------------------------------------------------------ services for methods
     def reference(self) -> Any:
@@ -435,17 +436,23 @@ class Trainer:
         else on the task, its accuracy. Nothing when neither exists or no policy is trained."""
         if not self.method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
-        from gcfamily.evaluate import evaluate_rows, heldout_accuracy
+        from gcfamily.evaluate import evaluate_rows
 
         cfg = self.cfg
         unwrapped = self.unwrapped_policy()
         was_training = unwrapped.training
+        details: list[dict[str, Any]] = []
         with self.full_parameters(), self.autocast():
             if self.eval_dataset is not None:
-                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples)
-            else:
-                out = {"eval/accuracy": heldout_accuracy(unwrapped, self.tokenizer, self.task, cfg.eval_samples, cfg.max_new_tokens, formatter=self.formatter)}
+                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
+            else:  # the task's held-out accuracy: the share of its first eval_samples test prompts scoring >= 1
+                rows = self.task.rows("test", cfg.eval_samples)
+                out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
+                out = {"eval/accuracy": out["eval/accuracy"]}
         unwrapped.train(was_training)
+        if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
+            with (self.out_dir / "eval_details.jsonl").open("a") as f:
+                f.write(json.dumps({"step": self.step, "rows": details}) + "\n")
         return out
 
     def _check_evaluation(self) -> None:

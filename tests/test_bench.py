@@ -136,3 +136,24 @@ def test_sigterm_to_bench_stops_the_running_method_at_a_checkpoint(tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: Stopped by SIGTERM while sft was running"), err
     assert list((out / "sft" / "checkpoints").glob("step-*/COMPLETE")), "the method did not stop at a checkpoint"
     assert not (out / "sft" / "bench_proc.json").exists() and not (out / "rft").exists()  # the same command runs sft again, then rft
+
+
+def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gcf, tmp_path):
+    from gcfamily.bench_seeds import heldout, prompts_of
+
+    out = tmp_path / "b"
+    code, stdout, stderr = gcf("bench", "--quick", "--methods", "sft,grpo", "--budget", "steps:2", "--seeds", "2", "--baseline", "sft",
+                               "--output-dir", str(out), "--set", "eval_samples=6", "--set", "max_new_tokens=4")
+    assert code == 0, stderr
+    folders = [out / m / f"seed-{k}" for m in ("sft", "grpo") for k in (0, 1)]
+    prompts = [prompts_of(f) for f in folders]
+    assert prompts[0] and all(p == prompts[0] for p in prompts)  # every method and seed: the same held-out prompts
+    assert [json.loads((f / "run_config.json").read_text())["seed"] for f in folders] == [0, 1, 0, 1]
+    assert all(len(heldout(f)) == 6 for f in folders)
+    md = (out / "bench.md").read_text()
+    assert "2 seed(s)" in md and "vs sft (paired bootstrap 95%)" in md and "| sft | 2 |" in md and "baseline" in md
+    grpo_row = next(line for line in md.splitlines() if line.startswith("| grpo |"))
+    assert "significant" in grpo_row and "(n=12)" in grpo_row
+    assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file()
+    code, _, err = gcf("bench", "--quick", "--methods", "sft", "--baseline", "dpo", "--output-dir", str(tmp_path / "c"))
+    assert code == 2 and "--baseline dpo is not one of the suite's methods" in err

@@ -1,0 +1,160 @@
+"""`gcf bench --seeds N`: every method run N times, figures with intervals, paired differences to a baseline, curves with bands.
+
+Every run of a suite uses `task_seed: 0`, so all methods and seeds are evaluated on the same held-out prompts
+(their per-prompt results are in each run's eval_details.jsonl); a run's own `seed` changes its data order,
+sampling and the initialisation of anything random. Per method:
+
+- each figure's mean over seeds and a 95% t interval across seeds (none with one seed);
+- held-out accuracy pooled over seeds, with a Wilson interval on the pooled answers (prompts x seeds);
+- the paired difference to the baseline method in accuracy: per (seed, prompt) correctness, mean difference and a
+  percentile bootstrap interval over those pairs (10,000 resamples, seed 0); significant when 0 is outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from gcfamily.bench_report import fmt
+from gcfamily.stats import mean_interval, paired_bootstrap, wilson
+
+FIGURES = ("accuracy_before", "accuracy_after", "reward_final", "kl_ref", "steps", "step_s_median", "peak_memory_mb",
+           "train_tokens", "generated_tokens", "elapsed_s", "prompts_seen", "train_flops")
+
+
+def heldout(folder: Path, final: bool = True) -> Optional[dict[int, float]]:
+    """{prompt index: 1.0 if correct} at the run's last evaluation (final) or its first (before training)."""
+    path = Path(folder) / "eval_details.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    records = [r for r in records if (r["step"] > 0) == final]
+    if not records:
+        return None
+    rec = max(records, key=lambda r: r["step"]) if final else records[0]
+    return {int(row["index"]): float(row["reward"] is not None and row["reward"] >= 1.0) for row in rec["rows"]}
+
+
+def prompts_of(folder: Path) -> Optional[list[str]]:
+    """The held-out prompts of a run's last evaluation, in order (identical across methods and seeds of one suite)."""
+    path = Path(folder) / "eval_details.jsonl"
+    if not path.is_file():
+        return None
+    last = json.loads(path.read_text().splitlines()[-1])
+    return [str(r["prompt"]) for r in last["rows"]]
+
+
+def _finite(xs: list[Any]) -> list[float]:
+    return [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A method's figures over its seeds: {figure: (mean, lo, hi)}, the pooled accuracy and its Wilson interval."""
+    ok = [r for r in runs if r.get("returncode") == 0]
+    out: dict[str, Any] = {"seeds": len(runs), "ok": len(ok)}
+    for key in FIGURES:
+        vals = _finite([r.get(key) for r in ok])
+        out[key] = mean_interval(vals) if vals else None
+    k = n = 0
+    for r in ok:
+        got = heldout(Path(r["folder"]))
+        if got:
+            k, n = k + int(sum(got.values())), n + len(got)
+    out["pooled"] = (k / n, *wilson(k, n)) if n else None
+    out["pooled_n"] = n
+    return out
+
+
+def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The paired bootstrap of final held-out correctness against the baseline's, over (seed, prompt) pairs both have."""
+    a, b = [], []
+    by_seed = {r.get("seed"): r for r in base if r.get("returncode") == 0}
+    for r in runs:
+        other = by_seed.get(r.get("seed"))
+        if r.get("returncode") != 0 or other is None:
+            continue
+        x, y = heldout(Path(r["folder"])), heldout(Path(other["folder"]))
+        if not x or not y:
+            continue
+        for i in sorted(set(x) & set(y)):
+            a.append(x[i])
+            b.append(y[i])
+    return paired_bootstrap(a, b) if a else None
+
+
+def _ci(v: Optional[tuple[float, float, float]], spec: str = ".3f", interval: bool = True) -> str:
+    if v is None:
+        return "-"
+    mean, lo, hi = v
+    shown = interval and math.isfinite(lo) and math.isfinite(hi)
+    return f"{fmt(mean, spec)} [{fmt(lo, spec)}, {fmt(hi, spec)}]" if shown else fmt(mean, spec)
+
+
+def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, Any], baseline: Optional[str]) -> str:
+    """bench.md for several seeds: intervals, pooled accuracy, the paired difference to the baseline, what each budget bought."""
+    agg = {m: aggregate(runs) for m, runs in per_method.items()}
+    comp = {m: paired(runs, per_method[baseline]) for m, runs in per_method.items() if baseline in per_method and m != baseline}
+    seeds = max(len(r) for r in per_method.values())
+    lines = [f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}, {seeds} seed(s)", "",
+             f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
+             f"total {header['total_s']:.0f} s of runs.", "",
+             f"| method | seeds | held-out acc before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (paired bootstrap 95%) "
+             "| final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, a in agg.items():
+        pooled = a["pooled"]
+        pooled_s = "-" if pooled is None else f"{pooled[0]:.3f} [{pooled[1]:.3f}, {pooled[2]:.3f}] (n={a['pooled_n']})"
+        c = comp.get(m)
+        vs = "baseline" if m == baseline else "-" if c is None else (
+            f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" + (" **significant**" if c["significant"] else " (not significant)"))
+        failed = a["seeds"] - a["ok"]
+        lines.append("| " + " | ".join([
+            m, f"{a['ok']}" + (f" ({failed} failed)" if failed else ""), _ci(a["accuracy_before"]), _ci(a["accuracy_after"]), pooled_s, vs,
+            _ci(a["reward_final"]), _ci(a["kl_ref"], ".2g"),
+            *(_ci(a[k], spec, interval=False) for k, spec in (("steps", ".0f"), ("prompts_seen", ".0f"), ("train_tokens", ".3g"),
+                                                              ("generated_tokens", ".3g"), ("train_flops", ".2e"), ("step_s_median", ".3g"),
+                                                              ("peak_memory_mb", ".0f")))]) + " |")
+    lines += ["", "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, `eval_samples` prompts. Intervals "
+              "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
+              "seeds, Wilson interval. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline pairs each (seed, prompt) of the method with the baseline's, "
+              "and resamples the pairs (10,000 bootstrap resamples, seed 0); significant when its 95% interval excludes 0. "
+              "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
+              "the loss-token-only head do less). Prompts seen: steps x batch_size."]
+    return "\n".join(lines) + "\n"
+
+
+def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
+    """reward_bands.png and accuracy_bands.png: each method's mean over seeds at each step, the band from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, fname, label in (("reward/mean", "reward_bands.png", "reward (mean of the step's samples)"),
+                              ("eval/accuracy", "accuracy_bands.png", "held-out accuracy (greedy)")):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, (m, runs) in enumerate(per_method.items()):
+            by_step: dict[int, list[float]] = {}
+            for r in runs:
+                for row in r.get("per_step") or []:
+                    if row.get(key) is not None:
+                        by_step.setdefault(int(row["step"]), []).append(float(row[key]))
+            steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # steps every seed reached
+            if not steps:
+                continue
+            mean = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+            ax.plot(steps, mean, color=f"C{i}", label=f"{m} ({len(runs)} seeds)", marker="o" if key == "eval/accuracy" else None, ms=3)
+            ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], color=f"C{i}", alpha=0.2)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        written.append(out / fname)
+    return written
