@@ -369,6 +369,9 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     else:
         (out / "bench.md").write_text(table(results, header))
         pngs = plots(results, out)
+    from gcfamily.bench_seeds import frontier_plot
+
+    pngs += [p for p in [frontier_plot(per_method, out)] if p is not None]
     (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
                                                 "results": results}, indent=1, default=str))
     echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}, " + ", ".join(str(p) for p in pngs))

@@ -158,3 +158,44 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
         plt.close(fig)
         written.append(out / fname)
     return written
+
+
+def kl_of(row: dict[str, Any]) -> Optional[float]:
+    """The KL to the reference a step logged (grpo/kl, ppo/kl, ...: the method's own estimator), if any."""
+    for k, v in row.items():
+        if k.endswith("/kl") and isinstance(v, (int, float)) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def frontier_plot(per_method: dict[str, list[dict[str, Any]]], out: Path) -> Optional[Path]:
+    """frontier.png: each on-policy method's training reward against its KL to the reference along training (one line per seed),
+    and the final held-out accuracy against the final KL (k3 of a fresh sample, the same estimate for every method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (m, runs) in enumerate(per_method.items()):
+        for j, r in enumerate(runs):
+            pts = [(kl_of(row), row["reward/mean"]) for row in r.get("per_step") or [] if row.get("reward/mean") is not None and kl_of(row) is not None]
+            if pts:
+                axes[0].plot(*zip(*pts), color=f"C{i}", alpha=0.8 if j == 0 else 0.35, lw=1, marker=".", ms=3, label=m if j == 0 else None)
+            if r.get("kl_ref") is not None and r.get("accuracy_after") is not None:
+                axes[1].scatter([r["kl_ref"]], [r["accuracy_after"]], color=f"C{i}", label=m if j == 0 else None, s=18)
+    axes[0].set_xlabel("KL to the reference (the method's own per-token estimate, logged each step)")
+    axes[0].set_ylabel("training reward (mean of the step's samples)")
+    axes[1].set_xlabel("final KL to the initial model (k3 per token, one sample per held-out prompt)")
+    axes[1].set_ylabel("final held-out accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    if not any(ax.has_data() for ax in axes):
+        plt.close(fig)
+        return None
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=110)
+    plt.close(fig)
+    return out / "frontier.png"

@@ -154,6 +154,6 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert "2 seed(s)" in md and "vs sft (paired bootstrap 95%)" in md and "| sft | 2 |" in md and "baseline" in md
     grpo_row = next(line for line in md.splitlines() if line.startswith("| grpo |"))
     assert "significant" in grpo_row and "(n=12)" in grpo_row
-    assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file()
+    assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file() and (out / "frontier.png").is_file()
     code, _, err = gcf("bench", "--quick", "--methods", "sft", "--baseline", "dpo", "--output-dir", str(tmp_path / "c"))
     assert code == 2 and "--baseline dpo is not one of the suite's methods" in err
