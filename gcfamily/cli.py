@@ -14,6 +14,11 @@ import click
 from gcfamily.errors import GcfError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Read when the libraries are imported: their notices and warnings would otherwise come before a one-line error.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("DATASETS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_VERBOSITY", "error")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -29,12 +34,26 @@ class GcfGroup(click.Group):
             return super().invoke(ctx)
         except GcfError as e:
             _fail(str(e), getattr(e, "exit_code", 2))
+        except click.UsageError as e:  # a bad option or value: click's own message, on one line like the rest
+            where = f"; see `{e.ctx.command_path} --help`." if e.ctx is not None else "."
+            _fail(" ".join(e.format_message().split()).rstrip(".") + where, e.exit_code)
         except KeyboardInterrupt:
             _fail("interrupted.", 130)
 
 
 def _quiet_libraries() -> None:
-    """Keep transformers' and datasets' own progress bars out of the run's output."""
+    """Keep the libraries' progress bars, notices and warnings out of the run's output (an error stays one line).
+
+    Warnings raised in gcfamily or in the user's own code (a reward, a method) still show.
+    """
+    import logging
+    import warnings
+
+    for name in ("transformers", "datasets", "huggingface_hub", "torch", "accelerate", "peft", "safetensors", "filelock", "urllib3"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # datasets' file readers log a parse error, then raise it: the raise becomes the one error line
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", module=r"(transformers|datasets|huggingface_hub|torch|accelerate|peft|safetensors)(\.|$)")
     try:
         from transformers.utils import logging as hf_logging
 
@@ -76,11 +95,18 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 @click.option("--strategy", type=str, help="ddp or fsdp2 when --nproc > 1.")
 def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str], nproc: int, **opts: Any) -> None:
     """Train a model with a method."""
-    from gcfamily.config import parse_sets, resolve
+    from gcfamily.config import parse_sets, resolve, validate
+    from gcfamily.models import check_source, context_of
 
     overrides = _overrides(**opts)
     overrides.update(parse_sets(sets))
     cfg = resolve(config_path, overrides)
+    validate(cfg)  # before any folder is named, taken or cleared, and before --nproc starts processes
+    check_source(cfg.model)  # a damaged model folder is refused before --overwrite clears the output folder
+    context = context_of(cfg.model)
+    if context is not None and cfg.max_length > context:  # longer rows would run past the model's positions
+        raise GcfError(f"max_length={cfg.max_length} is longer than the context of model {cfg.model} ({context} positions, "
+                       f"max_position_embeddings); set max_length <= {context}.")
     if "output_dir" not in cfg.explicit:
         from gcfamily.api import default_output_dir
 
@@ -214,12 +240,14 @@ def tasks() -> None:
 @click.option("--rows", default=3, show_default=True, type=click.IntRange(0, 1000), help="Rows to print.")
 def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opts: Any) -> None:
     """Show what a method trains on: format, chat format, rows kept and skipped, lengths, and the first rows as tokenised."""
-    from gcfamily.config import parse_sets, resolve
+    from gcfamily.config import parse_sets, resolve, validate
     from gcfamily.inspect_data import describe
 
     overrides = _overrides(**opts)
     overrides.update(parse_sets(sets))
-    click.echo(describe(resolve(config_path, overrides), rows))
+    cfg = resolve(config_path, overrides)
+    validate(cfg)
+    click.echo(describe(cfg, rows))
 
 
 @main.command("eval")
@@ -229,8 +257,8 @@ def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opt
 @click.option("--dataset-config", default=None, help="The hub dataset's configuration (subset).")
 @click.option("--split", default="test", show_default=True, help="Split of --dataset.")
 @click.option("--reward", multiple=True, help="Reward(s) scoring --dataset completions: built-in name, module:function or file.py:function.")
-@click.option("--samples", default=200, show_default=True, type=int, help="Held-out prompts.")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--samples", default=200, show_default=True, type=click.IntRange(min=1), help="Held-out prompts.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the task's train/test split.")
 @click.option("--set", "sets", multiple=True, help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).")
 @click.option("--device", default="auto", show_default=True)
@@ -247,7 +275,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
     if dataset is None and reward:
         raise GcfError("--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset).")
     if dataset is not None:
-        from gcfamily.config import Config, apply
+        from gcfamily.config import Config, apply, validate
         from gcfamily.dataset import load_rows
         from gcfamily.evaluate import evaluate_rows
         from gcfamily.formats import Formatter
@@ -256,6 +284,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
         cfg = apply(Config(), parse_sets(sets), "--set")
+        validate(cfg)
         rows = load_rows(dataset, split, dataset_config, cfg.columns)
         m, tok = load_model(model, resolve_dtype("auto", dev), dev)
         fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)

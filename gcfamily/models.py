@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ HUB_ALIASES = {
 OFFLINE_ALIASES = ("tiny", "smollm2-135m")
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+TINY_CONTEXT = 1024
 TINY_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + ('<eos>' if m['role'] == 'assistant' else '') + '\n' }}{% endfor %}"
@@ -65,7 +67,7 @@ def tiny_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2
 
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_CONTEXT, tie_word_embeddings=False,
         pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )
     with torch.random.fork_rng(devices=[]):
@@ -123,6 +125,65 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     os.replace(tmp, target)
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_source(name: str) -> None:
+    """Refuse a damaged local model folder in one sentence, reading only its config.json and the weights' headers.
+
+    Aliases and hub ids pass (nothing local to read). Pickle weights are refused, never unpickled: loading
+    one runs whatever code the file names.
+    """
+    if name in OFFLINE_ALIASES or name in HUB_ALIASES:
+        return
+    p = Path(name).expanduser()
+    if not p.exists():
+        return
+    if not p.is_dir():
+        raise GcfError(f"Model {name} is a file; point --model at a Hugging Face checkpoint folder (config.json and model.safetensors).")
+    config = p / "config.json"
+    if not config.is_file():
+        raise GcfError(f"Model folder {name} has no config.json; point --model at a Hugging Face checkpoint folder.")
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GcfError(f"Model folder {name} has a config.json that is not JSON ({str(e).splitlines()[0][:120]}); restore it from the model's source.") from e
+    if not isinstance(parsed, dict):
+        raise GcfError(f"Model folder {name} has a config.json holding a JSON {type(parsed).__name__}, not an object of settings; restore it from the model's source.")
+    weights = sorted(f for f in p.iterdir() if f.suffix == ".safetensors" and not f.name.startswith("adapter_"))
+    pickles = sorted(f.name for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES and f.name not in ("training_args.bin", "optimizer.pt", "scheduler.pt"))
+    if not weights and pickles:
+        raise GcfError(f"Model folder {name} holds its weights only as pickle ({pickles[0]}), which gcfamily does not load because unpickling can run code; "
+                       f"convert it to safetensors (from_pretrained it where you trust the file, then save_pretrained(folder, safe_serialization=True)).")
+    if not weights:
+        raise GcfError(f"Model folder {name} has no model.safetensors; point --model at a folder holding the weights as well as config.json.")
+    from safetensors import safe_open
+
+    for f in weights:
+        try:
+            with safe_open(str(f), framework="pt"):  # reads the header and checks it covers the whole file
+                pass
+        except Exception as e:  # SafetensorError, OSError: a truncated, overwritten or unreadable file
+            raise GcfError(f"Model weights {f} are damaged or not safetensors ({str(e).splitlines()[0][:120]}); copy the file again from its source.") from e
+
+
+def context_of(name: str) -> int | None:
+    """The positions a model by this name was built for, read without loading it: tiny's, or a local folder's config.json
+    (max_position_embeddings or n_positions); None for a hub id, or where the config names none (known once loaded)."""
+    if name == "tiny":
+        return TINY_CONTEXT
+    p = Path(name).expanduser() / "config.json"
+    if name in HUB_ALIASES or not p.is_file():
+        return None
+    try:
+        config = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # check_source says what is wrong with it
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    values = [config.get(k) for k in ("max_position_embeddings", "n_positions")] if isinstance(config, dict) else []
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+
+
 def resolve_source(name: str) -> str:
     """An alias, hub id or local folder -> what from_pretrained takes."""
     if name == "smollm2-135m":
@@ -140,21 +201,35 @@ def resolve_source(name: str) -> str:
     raise GcfError(f"Unknown model '{name}'; use an alias ({known}), a hub id like org/name, or a local checkpoint folder.")
 
 
+def _reason(err: BaseException, limit: int = 240) -> str:
+    """A library's error as one short clause: its first line, cut at a sentence end when long."""
+    text = (str(err).splitlines() or [""])[0].strip() or type(err).__name__
+    if len(text) <= limit:
+        return text.rstrip(".")
+    cut = text[:limit].rfind(". ")
+    return text[:cut] if cut > 0 else text[: limit - 3] + "..."
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", trust_remote_code: bool = False, seed: int = 0) -> tuple[Any, Any]:
     """(model, tokenizer) for an alias, hub id or local folder; clear errors, no tracebacks."""
     if name == "tiny":
         tok = tiny_tokenizer()
         model = tiny_model(len(tok), seed=seed)
         return model.to(device=device, dtype=dtype), tok
+    check_source(name)
     source = resolve_source(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    local = Path(source).exists()
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
-        if Path(source).exists():
-            raise GcfError(f"Model folder {source} could not be loaded ({str(e).splitlines()[0][:200]}).") from e
+        # use_safetensors: never fall back to unpickling a .bin (from a folder or the hub)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    except Exception as e:  # a local folder's files are the user's input: whatever they make the loader raise is one sentence
+        if not local and not isinstance(e, (OSError, ValueError, ImportError)):
+            raise
+        if local:
+            raise GcfError(f"Model folder {source} could not be loaded ({_reason(e)}).") from e
         raise GcfError(
             f"Model {name} ({source}) could not be loaded from the hub, which this machine may not reach; "
             f"offline, use --model smollm2-135m or --model tiny."

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -237,6 +238,11 @@ def generate(
     device, G, C = model.device, num_samples, settings.max_new_tokens
     eos = torch.tensor(_eos_ids(model, tokenizer, eos_token_ids), dtype=torch.long, device=device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0]) if len(eos) else 0
+    P = max(len(p) for p in prompt_ids)
+    limit = context_length(model)
+    if limit is not None and P + C > limit:  # past it a position table is indexed out of range, or RoPE extrapolates unchecked
+        raise GcfError(f"A prompt of {P} tokens plus max_new_tokens={C} needs {P + C} positions, past the model's context of {limit} "
+                       f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more).")
     prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
     n, P = prompt.shape
     N = n * G
@@ -291,10 +297,24 @@ def generate(
     return _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, settings.stop_strings)
 
 
+def context_length(model) -> int | None:
+    """The most positions the model was built for (max_position_embeddings, n_positions, ...), or None where it names none."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def _check(settings: SamplingSettings) -> None:
     """Settings a user can get wrong end in one clear sentence."""
-    if not settings.greedy and settings.temperature <= 0:
-        raise GcfError(f"temperature must be > 0 (got {settings.temperature}); set greedy: true for argmax decoding.")
+    if not settings.greedy and not 0 < settings.temperature < math.inf:  # written so that NaN fails
+        raise GcfError(f"temperature must be > 0 and finite (got {settings.temperature}); set greedy: true for argmax decoding.")
     if not 0 < settings.top_p <= 1:
         raise GcfError(f"top_p must be in (0, 1] (got {settings.top_p}); use 1 to switch nucleus sampling off.")
     if settings.max_new_tokens < 1 or settings.top_k < 0:

@@ -58,7 +58,7 @@ def _import_file(path: Path, loaded: dict[str, Any] | None = None) -> Any:
     sys.modules[name] = module  # before exec, so dataclasses and pickling inside it work
     try:
         spec.loader.exec_module(module)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a file that calls sys.exit() at import is as broken as one that raises
         del sys.modules[name]
         why = shorten(f"{type(err).__name__}: {err}")
         raise GcfError(f"reward file '{path}' failed to import ({why}); fix the file.") from None
@@ -78,12 +78,17 @@ def split_spec(spec: str) -> tuple[str, str]:
 def load_user_reward(spec: str, loaded: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The function a ``module:function`` or ``path/file.py:function`` spec names (``loaded``: see _import_file)."""
     module_name, attr = split_spec(spec)
+    if not module_name.endswith(".py") and Path(module_name).is_file():  # rewards.txt:fn, my_reward:fn (a file, no suffix)
+        raise GcfError(f"reward '{spec}' names the file '{module_name}', which is not a .py file; "
+                       "give a Python file as path/file.py:function (rename it to .py) or an importable module:function.")
+    if module_name.endswith(".py") and Path(module_name).is_dir():
+        raise GcfError(f"reward '{spec}' names the folder '{module_name}'; give a Python file as path/file.py:function.")
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         module = _import_file(Path(module_name), loaded)
     else:
         try:
             module = importlib.import_module(module_name)
-        except Exception as err:
+        except (Exception, SystemExit) as err:
             raise GcfError(
                 f"could not import reward module '{module_name}' ({type(err).__name__}: {err}); "
                 "install it or pass the path to its .py file instead."
