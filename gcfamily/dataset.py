@@ -39,8 +39,13 @@ def _datasets() -> Any:
 
 
 def _first_line(e: BaseException) -> str:
+    """The first line of an error, with the cause's where the error only says that something failed ("An error occurred while generating the dataset")."""
     text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+    line = (text.splitlines()[0] if text else type(e).__name__)[:200]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip() and "error occurred" in line.lower():
+        line = f"{line.rstrip('.')}: {str(cause).strip().splitlines()[0][:160]}"
+    return line
 
 
 def describe(source: Any) -> str:

@@ -191,8 +191,10 @@ def as_kind(rows: Sequence[dict[str, Any]], kind: str, method: str) -> tuple[str
 # --------------------------------------------------------------------------- tokens
 
 
-def _template_error(e: Exception) -> GcfError:
-    return GcfError(f"The chat template failed on a row ({str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__}); fix the row or pass chat_template.")
+def _template_error(e: Exception, given: bool) -> GcfError:
+    why = str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    fix = "fix the chat_template setting" if given else "fix the row's messages, or pass a chat_template that renders them"
+    return GcfError(f"The chat template failed to render a conversation ({why}); {fix}.")
 
 
 class Formatter:
@@ -206,6 +208,7 @@ class Formatter:
         self.chat_format = chat_format
         self.system_prompt = system_prompt
         self.assistant_only_loss = assistant_only_loss
+        self.template_given = bool(chat_template)
         if chat_template:
             path = Path(chat_template).expanduser()
             text = path.read_text() if len(chat_template) < 4096 and "{" not in chat_template and path.is_file() else chat_template
@@ -236,7 +239,7 @@ class Formatter:
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         except Exception as e:  # jinja's TemplateError, the sandbox's SecurityError, a template's raise_exception
-            raise _template_error(e) from e
+            raise _template_error(e, self.template_given) from e
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

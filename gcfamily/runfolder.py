@@ -77,7 +77,10 @@ class RunLock:
                     time.sleep(0.2)
                     owner = self._owner() or {}
                 pid, host = int(owner.get("pid", -1)), str(owner.get("host", "?"))
-                if host == socket.gethostname() and pid > 0 and not _alive(pid) or owner.get("pid") is None and self._older_than(10):
+                if host == socket.gethostname() and pid == os.getpid():
+                    self.path.unlink(missing_ok=True)  # this process's own: a Trainer built here earlier and never run (a notebook, a test)
+                    continue
+                if (host == socket.gethostname() and pid > 0 and not _alive(pid)) or (owner.get("pid") is None and self._older_than(10)):
                     self.path.unlink(missing_ok=True)  # a stale lock: its process is gone
                     note = f"note: took over the lock of a run that is gone (pid {pid} on {host}) in {self.path.parent}."
                     continue
@@ -116,6 +119,11 @@ class RunLock:
 
 def holds_run(out_dir: Path) -> bool:
     return any((out_dir / m).exists() for m in RUN_MARKERS)
+
+
+def holds_run_output(out_dir: Path) -> bool:
+    """Whether a run has produced anything beyond its settings file: metrics, checkpoints or a model."""
+    return any((out_dir / m).exists() for m in ("metrics.jsonl", "checkpoints", "model.safetensors", "adapter_model.safetensors"))
 
 
 def same_folder(a: str | Path, b: str | Path) -> bool:

@@ -80,6 +80,8 @@ class Trainer:
         try:
             self._build(resume_path, method, model)
         except BaseException:
+            if resume is None and self.is_main and not runfolder.holds_run_output(self.out_dir):
+                (self.out_dir / "run_config.json").unlink(missing_ok=True)  # a run that never started leaves no run behind
             self.lock.release()
             raise
 
@@ -100,6 +102,11 @@ class Trainer:
         else:
             self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
         self.formatter = Formatter(self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+        from gcfamily.rollout import context_length
+
+        ctx = context_length(self.policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
+        if ctx is not None and cfg.max_length > ctx:
+            raise GcfError(f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}.")
         if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
             self.policy = lora.wrap(self.policy, cfg)
         precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")

@@ -90,9 +90,9 @@ def pair_batch(P=6, L=12, seed=0):
 
 
 def two_steps(tmp_path, cls, **extra):
-    cfg = Config(method=spec(cls), model="tiny", task="arithmetic", output_dir=str(tmp_path), max_steps=2, **{**FAST, **extra})
+    cfg = Config(method=spec(cls), model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), max_steps=2, **{**FAST, **extra})
     Trainer(cfg).run()
-    return metrics_rows(tmp_path)
+    return metrics_rows(tmp_path / "run")
 
 
 REWARD = "def varied(prompts, completions, **columns):\n    return [float(sum(map(ord, c)) % 7) for c in completions]\n"

@@ -61,9 +61,14 @@ def test_a_live_lock_is_refused_and_a_stale_one_taken_over(gcf, tmp_path):
     out = tmp_path / "r"
     out.mkdir()
     lock = out / ".gcf.lock"
-    lock.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "started": 0}))  # this process: alive
-    code, _, err = run(gcf, out, steps=1)
-    one_error(code, err, f"is in use by a running gcfamily run (pid {os.getpid()}")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({"pid": live.pid, "host": os.uname().nodename, "started": 0}))  # another live process
+        code, _, err = run(gcf, out, steps=1)
+        one_error(code, err, f"is in use by a running gcfamily run (pid {live.pid}")
+    finally:
+        live.kill()
+        live.wait()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0}))
@@ -254,3 +259,26 @@ def test_a_checkpoint_resumed_into_another_architecture_is_one_sentence(gcf, tmp
     code, _, err = gcf("run", "--method", "sft", "--model", "smollm2-135m", "--max-steps", "2", "--output-dir", str(tmp_path / "o"),
                        "--resume", str(out / "checkpoints" / "step-1"), *SMALL)
     one_error(code, err, "does not fit this model (size mismatch")
+
+
+def test_a_run_that_fails_in_setup_leaves_no_run_behind(gcf, tmp_path):
+    out = tmp_path / "r"
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": None, "completion": "b"}) + "\n")
+    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--max-steps", "1", "--output-dir", str(out), *SMALL)
+    one_error(code, err, "Row 1")
+    assert not (out / "run_config.json").exists() and not (out / ".gcf.lock").exists()
+    assert run(gcf, out, steps=1)[0] == 0  # the same folder, no --overwrite needed
+
+
+def test_prompts_too_long_for_the_context_are_skipped_at_setup(gcf, tmp_path):
+    from gcfamily.models import tiny_model, tiny_tokenizer
+    from gcfamily.rollout import context_length
+
+    ctx = context_length(tiny_model(len(tiny_tokenizer())))
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "x" * (ctx - 5), "answer": "1"}) + "\n" + json.dumps({"prompt": "1+0=", "answer": "1"}) + "\n")
+    code, _, err = gcf("run", "--method", "grpo", "--model", "tiny", "--dataset", str(data), "--reward", "numeric", "--max-steps", "1",
+                       "--output-dir", str(tmp_path / "r"), "--set", f"max_length={ctx}", "--set", "group_size=2", *SMALL)
+    assert code == 0, err
+    assert metrics_rows(tmp_path / "r")[-1]["skipped_long_prompts"] == 1.0

@@ -45,6 +45,16 @@ class OnPolicy(Method):
         cfg = self.cfg
         data = self.load_data(trainer)  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
         self.rows, self.prompt_tokens, self.skipped = data.rows, data.examples, data.n_skipped
+        from gcfamily.rollout import context_length
+
+        ctx = context_length(trainer.unwrapped_policy()) if hasattr(trainer, "unwrapped_policy") else None
+        if ctx is not None:  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
+            fits = [i for i, p in enumerate(self.prompt_tokens) if len(p) + cfg.max_new_tokens <= ctx]
+            if not fits:
+                raise GcfError(f"Every prompt plus max_new_tokens={cfg.max_new_tokens} runs past the model's context of {ctx} tokens; "
+                               "lower max_new_tokens or use shorter prompts.")
+            self.skipped += len(self.prompt_tokens) - len(fits)
+            self.rows, self.prompt_tokens = [self.rows[i] for i in fits], [self.prompt_tokens[i] for i in fits]
         self.reward_fn: RewardFn = self.build_reward_fn()
         self.warned_reward = False
         self.sampling = SamplingSettings(

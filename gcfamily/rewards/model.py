@@ -87,14 +87,20 @@ class RewardModel(nn.Module):
         p = Path(path)
         if not (p / "config.json").is_file():
             raise GcfError(f"Reward model folder {path} has no config.json; pass the output folder of `gcf run --method reward-model`.")
-        config = AutoConfig.from_pretrained(p)
+        from gcfamily.models import check_source
+
+        check_source(str(p))  # a damaged config or weights, or pickle weights (never unpickled): one sentence
+        try:
+            config = AutoConfig.from_pretrained(p)
+        except (OSError, ValueError) as e:
+            raise GcfError(f"Reward model folder {path} has an unreadable config.json ({str(e).splitlines()[0][:160]}).") from e
         archs = getattr(config, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
             raise GcfError(f"{path} is not a reward model (architectures {archs}, num_labels {config.num_labels}); train one with `gcf run --method reward-model`.")
         try:
             tok = AutoTokenizer.from_pretrained(p)
-            model = AutoModelForSequenceClassification.from_pretrained(p, dtype=dtype) if dtype is not None else AutoModelForSequenceClassification.from_pretrained(p)
-        except (OSError, ValueError) as e:
+            model = AutoModelForSequenceClassification.from_pretrained(p, use_safetensors=True, **({"dtype": dtype} if dtype is not None else {}))
+        except (OSError, ValueError, RuntimeError) as e:
             raise GcfError(f"Reward model folder {path} could not be loaded ({str(e).splitlines()[0][:200]}).") from e
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
