@@ -191,10 +191,13 @@ def test_the_undamaged_folder_loads(gcf, folders):
 
 
 def test_prompt_past_the_context_in_a_run(gcf, files, tmp_path):
-    err = _one_clear_line(*gcf("run", "--method", "grpo", "--model", "tiny", "--dataset", str(files["long-prompt.jsonl"]), "--reward", "numeric",
-                               "--output-dir", str(tmp_path / "o"), "--max-steps", "1", "--set", "progress=false", "--set", "batch_size=2",
-                               "--set", "group_size=2", "--set", "max_length=1000", "--set", "max_new_tokens=64"))
+    args = ["run", "--method", "grpo", "--model", "tiny", "--dataset", str(files["long-prompt.jsonl"]), "--reward", "numeric", "--max-steps", "1",
+            "--set", "progress=false", "--set", "batch_size=2", "--set", "group_size=2", "--set", "max_length=1000", "--set", "max_new_tokens=64"]
+    err = _one_clear_line(*gcf(*args, "--output-dir", str(tmp_path / "o"), "--set", "long_prompts=error"))
     assert "993 tokens" in err and "max_new_tokens=64" in err and "1057" in err and "1024" in err, err
+    code, out, err = gcf(*args, "--output-dir", str(tmp_path / "skip"))  # the default, long_prompts=skip: skipped at setup and counted
+    assert code == 0, err
+    assert json.loads((tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()[-1])["skipped_long_prompts"] >= 1
 
 
 def test_prompt_past_the_context_in_eval(gcf, files):

@@ -50,6 +50,11 @@ class OnPolicy(Method):
         ctx = context_length(trainer.unwrapped_policy()) if hasattr(trainer, "unwrapped_policy") else None
         if ctx is not None:  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
             fits = [i for i, p in enumerate(self.prompt_tokens) if len(p) + cfg.max_new_tokens <= ctx]
+            if cfg.long_prompts == "error" and len(fits) < len(self.prompt_tokens):
+                i = next(i for i in range(len(self.prompt_tokens)) if i not in set(fits))
+                n = len(self.prompt_tokens[i])
+                raise GcfError(f"A prompt of {n} tokens plus max_new_tokens={cfg.max_new_tokens} needs {n + cfg.max_new_tokens} positions, past the "
+                               f"model's context of {ctx}; shorten it, lower max_new_tokens, or set long_prompts=skip.")
             if not fits:
                 raise GcfError(f"Every prompt plus max_new_tokens={cfg.max_new_tokens} runs past the model's context of {ctx} tokens; "
                                "lower max_new_tokens or use shorter prompts.")
