@@ -8,9 +8,10 @@ Each method is a normal Trainer run in its own folder OUT/<method>/ and its own 
 peak memory is that method's alone (the child's ru_maxrss, read with wait4). All runs share the
 seed, model, task and budget, and evaluate held-out accuracy before and after (eval_at_ends).
 The budget is the same number of optimizer steps (`steps:N`), of generated plus trained tokens
-(`tokens:N`, the trainer's max_tokens) or of seconds spent in training steps (`time:S`, the
-trainer's max_time; evaluation is not counted). With a token or time budget max_steps is only a
-cap (10000 unless --set max_steps=N).
+(`tokens:N`, the trainer's max_tokens), of seconds spent in training steps (`time:S`, the
+trainer's max_time; evaluation is not counted) or of estimated training FLOPs (`flops:N`, the
+trainer's max_flops: 6 x parameters per loss token + 2 x parameters per generated token). With a
+token, time or FLOPs budget max_steps is only a cap (10000 unless --set max_steps=N).
 
 Besides what the trainer logs, each child records two things the trainer does not:
 - the GC distribution: it wraps the method's `coefficient` and keeps the GC of every loss token
@@ -49,7 +50,7 @@ from gcfamily.bench_report import fmt, plots, summarise, table
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 
 DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
-BUDGET_KINDS = ("steps", "tokens", "time")
+BUDGET_KINDS = ("steps", "tokens", "time", "flops")
 STEP_CAP = 10000
 GC_KEEP = 200_000
 
@@ -96,11 +97,13 @@ def parse_budget(budget: str) -> dict[str, Any]:
     except ValueError:
         amount = -1.0
     if kind not in BUDGET_KINDS or amount <= 0:
-        raise GcfError(f"--budget {budget!r} must look like steps:N, tokens:N or time:SECONDS with a positive number.")
+        raise GcfError(f"--budget {budget!r} must look like steps:N, tokens:N, time:SECONDS or flops:N with a positive number.")
     if kind == "steps":
         return {"max_steps": int(amount)}
     if kind == "tokens":
         return {"max_tokens": int(amount), "max_steps": STEP_CAP}
+    if kind == "flops":
+        return {"max_flops": amount, "max_steps": STEP_CAP}
     return {"max_time": amount, "max_steps": STEP_CAP}
 
 
@@ -252,8 +255,18 @@ def child(spec_path: str) -> None:
     run_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     kl = kl_to_reference(trainer, min(cfg.eval_samples, 64))
-    extra = {"gc": recorder.summary(), "kl_ref": kl, "kl_s": time.perf_counter() - t1, "run_s": run_s, "steps": trainer.step,
+    kl_s = time.perf_counter() - t1
+    extra = {"gc": recorder.summary(), "kl_ref": kl, "kl_s": kl_s, "run_s": run_s, "steps": trainer.step,
              "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())}
+    if trainer.task is not None and trainer.method.trains_policy:  # pass@k beside greedy accuracy: k samples per held-out prompt
+        from gcfamily.evaluate import sampled_pass_at_k
+
+        t2 = time.perf_counter()
+        k = max(cfg.group_size, 1)
+        rows = trainer.task.rows("test", min(cfg.eval_samples, 64))
+        extra["pass_at_k"] = sampled_pass_at_k(trainer.unwrapped_policy(), trainer.formatter, rows, trainer.task.reward, k,
+                                               cfg.temperature, cfg.max_new_tokens, cfg.seed + 2)
+        extra["pass_s"] = time.perf_counter() - t2
     (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
     # the finished run keeps its final model; its resumable checkpoints (weights and optimizer state) go
     shutil.rmtree(Path(cfg.output_dir) / "checkpoints", ignore_errors=True)
@@ -382,7 +395,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class); default {','.join(DEFAULT_METHODS)}.")
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
 @click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
-@click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS, the same for each method; default time:210 (steps:60 with --quick).")
+@click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).")
 @click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
 @click.option("--output-dir", "--out", "out", default=None, help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).")
 @click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")

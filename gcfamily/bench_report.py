@@ -63,6 +63,8 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
     })
     cfg = json.loads((folder / "run_config.json").read_text()) if (folder / "run_config.json").is_file() else {}
     res["seed"] = cfg.get("seed")
+    pk = {int(k): v for k, v in (extra.get("pass_at_k") or {}).items()}
+    res["pass_at_1"], res["pass_at_k"], res["k"] = pk.get(1), pk.get(max(pk)) if pk else None, max(pk) if pk else None
     res["prompts_seen"] = len(steps) * cfg["batch_size"] if "batch_size" in cfg else None
     params = extra.get("params")
     res["train_flops"] = 6 * params * res["train_tokens"] + 2 * params * generated if params else None  # forward+backward, sampling
@@ -81,22 +83,24 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; "
              f"{header['date']}; total {header['total_s']:.0f} s of runs"
              + (f" ({', '.join(header['kept'])} kept from an earlier invocation with the same settings)" if header.get("kept") else "") + ".", "",
-             "| method | steps | held-out acc before | after | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | steps | held-out acc before | after | pass@1 / pass@k | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if r.get("returncode") != 0:
-            lines.append(f"| {name} | failed (exit {r.get('returncode')}; see {r.get('folder')}/bench.log) |" + " |" * 12)
+            lines.append(f"| {name} | failed (exit {r.get('returncode')}; see {r.get('folder')}/bench.log) |" + " |" * 13)
             continue
         q = (r.get("gc") or {}).get("quantiles") or {}
         gcq = " / ".join(fmt(q.get(k), ".2g") for k in ("p5", "p50", "p95")) if q else "-"
         lines.append("| " + " | ".join([
-            name, str(r["steps"]), fmt(r["accuracy_before"], ".3f"), fmt(r["accuracy_after"], ".3f"), fmt(r["reward_final"], ".3f"),
+            name, str(r["steps"]), fmt(r["accuracy_before"], ".3f"), fmt(r["accuracy_after"], ".3f"),
+            f"{fmt(r.get('pass_at_1'), '.3f')} / {fmt(r.get('pass_at_k'), '.3f')}" + (f" (k={r['k']})" if r.get("k") else ""), fmt(r["reward_final"], ".3f"),
             fmt(r["kl_ref"], ".2g"), fmt(r["step_s_median"], ".3g"), fmt(r["train_tokens_per_s"], ".0f"),
             fmt(r["generation_tokens_per_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["gc_mean"], ".3g"),
             fmt(r["gc_abs_mean"], ".3g"), fmt(r["gc_zero_frac"], ".2f"), gcq]) + " |")
     lines += ["", "Held-out accuracy: greedy, `eval_samples` test prompts. Final reward: mean of `reward/mean` over the last 3 steps "
               "(on-policy methods). KL to ref: mean k3 per token of one temperature-1 sample per held-out prompt from the final "
-              "policy against the initial model. s/step: median. Train tok/s: loss tokens over the step time outside sampling "
+              "policy against the initial model. pass@1 / pass@k: k = group_size completions sampled per held-out prompt at the run's "
+              "temperature (unbiased estimator). s/step: median. Train tok/s: loss tokens over the step time outside sampling "
               "and scoring. Gen tok/s: completion tokens over sampling + scoring time. Peak MB: peak resident memory during "
               "training (GPU: allocated). GC: over every loss token of the run (gc.png)."]
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from gcfamily.bench_report import fmt
 from gcfamily.stats import mean_interval, paired_bootstrap, wilson
 
-FIGURES = ("accuracy_before", "accuracy_after", "reward_final", "kl_ref", "steps", "step_s_median", "peak_memory_mb",
+FIGURES = ("accuracy_before", "accuracy_after", "pass_at_1", "pass_at_k", "reward_final", "kl_ref", "steps", "step_s_median", "peak_memory_mb",
            "train_tokens", "generated_tokens", "elapsed_s", "prompts_seen", "train_flops")
 
 
@@ -84,6 +84,10 @@ def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> Optional[d
     return paired_bootstrap(a, b) if a else None
 
 
+def runs_k(runs: list[dict[str, Any]]) -> Optional[int]:
+    return next((r["k"] for r in runs if r.get("k")), None)
+
+
 def _ci(v: Optional[tuple[float, float, float]], spec: str = ".3f", interval: bool = True) -> str:
     if v is None:
         return "-"
@@ -101,8 +105,8 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
              f"total {header['total_s']:.0f} s of runs.", "",
              f"| method | seeds | held-out acc before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (paired bootstrap 95%) "
-             "| final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, a in agg.items():
         pooled = a["pooled"]
         pooled_s = "-" if pooled is None else f"{pooled[0]:.3f} [{pooled[1]:.3f}, {pooled[2]:.3f}] (n={a['pooled_n']})"
@@ -112,13 +116,15 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
         failed = a["seeds"] - a["ok"]
         lines.append("| " + " | ".join([
             m, f"{a['ok']}" + (f" ({failed} failed)" if failed else ""), _ci(a["accuracy_before"]), _ci(a["accuracy_after"]), pooled_s, vs,
+            f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)}" + (f" (k={runs_k(per_method[m])})" if runs_k(per_method[m]) else ""),
             _ci(a["reward_final"]), _ci(a["kl_ref"], ".2g"),
             *(_ci(a[k], spec, interval=False) for k, spec in (("steps", ".0f"), ("prompts_seen", ".0f"), ("train_tokens", ".3g"),
                                                               ("generated_tokens", ".3g"), ("train_flops", ".2e"), ("step_s_median", ".3g"),
                                                               ("peak_memory_mb", ".0f")))]) + " |")
     lines += ["", "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, `eval_samples` prompts. Intervals "
               "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
-              "seeds, Wilson interval. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline pairs each (seed, prompt) of the method with the baseline's, "
+              "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
+              "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline pairs each (seed, prompt) of the method with the baseline's, "
               "and resamples the pairs (10,000 bootstrap resamples, seed 0); significant when its 95% interval excludes 0. "
               "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
               "the loss-token-only head do less). Prompts seen: steps x batch_size."]

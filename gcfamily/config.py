@@ -67,6 +67,9 @@ class Config(DataSettings):
     Checked after each step, so the last step may overrun; the lr schedule still spans max_steps."""
     max_tokens: int = 0
     """Also stop once this many tokens were generated plus trained on (loss tokens; 0 = no limit). Checked after each step."""
+    max_flops: float = 0.0
+    """Also stop once the estimated training FLOPs reach this (6 x parameters x loss tokens + 2 x parameters x generated tokens;
+    0 = no limit). Checked after each step."""
     batch_size: int = 8
     """Examples per step: rows for SFT, prompts for on-policy methods, pairs for DPO."""
     micro_batch_size: int = 8
@@ -429,6 +432,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "max_steps": (_whole(0), ">= 0"),
     "max_time": (_real(0), ">= 0 and finite (0 = no limit)"),
     "max_tokens": (_whole(0), ">= 0 (0 = no limit)"),
+    "max_flops": (_real(0), ">= 0 and finite (0 = no limit)"),
     "batch_size": (_whole(1, MAX_ROWS), f"in [1, {MAX_ROWS}]"),
     "micro_batch_size": (_whole(1), ">= 1"),
     "norm_constant": (_real(0, lo_open=True), "> 0 and finite"),

@@ -58,3 +58,27 @@ def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new
     if not rows:
         return 0.0
     return evaluate_rows(model, formatter or Formatter(tokenizer), rows, task.reward, max_new_tokens, batch_size, accuracy=True)["eval/accuracy"]
+
+
+@torch.no_grad()
+def sampled_pass_at_k(model: Any, formatter: Formatter, rows: list[dict[str, Any]], reward: Any, k: int, temperature: float = 1.0,
+                      max_new_tokens: int = 32, seed: int = 0, batch_prompts: int = 8) -> dict[int, float]:
+    """pass@j for j = 1..k: k sampled completions per prompt, c of them scoring >= 1, the unbiased estimator averaged over prompts."""
+    from gcfamily.rewards import as_rewards
+    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.stats import pass_at_k
+
+    data = encode("prompts", rows, formatter, 1 << 30, "skip", "evaluation")
+    rewards = as_rewards(reward)
+    model.eval()
+    settings = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    counts = []
+    for s in range(0, len(data.rows), batch_prompts):
+        part = data.rows[s : s + batch_prompts]
+        out = generate(model, formatter.tokenizer, data.examples[s : s + batch_prompts], k, settings, gen)
+        columns = {key: [r.get(key) for r in part for _ in range(k)] for key in part[0] if key not in ("prompt", "completion")}
+        scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
+        ok = [(v and r >= 1.0) for r, v in zip(scored.rewards.tolist(), scored.valid.tolist())]
+        counts += [sum(ok[i * k : (i + 1) * k]) for i in range(len(part))]
+    return {j: sum(pass_at_k(k, c, j) for c in counts) / max(len(counts), 1) for j in range(1, k + 1)}

@@ -129,6 +129,8 @@ class Trainer:
         self.skipped_steps = 0
         self.elapsed_s = 0.0  # seconds spent in training steps, for max_time
         self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
+        self.flops_seen = 0.0  # estimated: 6 P per loss token, 2 P per generated token, for max_flops
+        self.n_params = sum(p.numel() for p in self.unwrapped_policy().parameters())
         self._stop_signal: Optional[str] = None
         if state is not None:
             self._restore(state)
@@ -393,7 +395,8 @@ class Trainer:
                 before_s = self.elapsed_s
                 self.elapsed_s += metrics["time/step_s"]
                 self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
-                metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen})
+                self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics["tokens/generated"])
+                metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
                 if self._time_to_evaluate(before_s) and "eval/accuracy" not in metrics:  # the reduced clock: every rank agrees
                     metrics.update(self.evaluate())
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or "eval/accuracy" in metrics:
@@ -433,9 +436,10 @@ class Trainer:
         return bool(every) and int(self.elapsed_s // every) > int(before_s // every) and not (last and self.cfg.eval_at_ends)
 
     def budget_spent(self) -> bool:
-        """max_time or max_tokens (when set) is used up."""
+        """max_time, max_tokens or max_flops (when set) is used up."""
         cfg = self.cfg
-        return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens))
+        return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens)
+                    or (cfg.max_flops and self.flops_seen >= cfg.max_flops))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -514,7 +518,7 @@ class Trainer:
         return {
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
-            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
         }
 
     def save_checkpoint(self) -> Optional[Path]:
@@ -555,6 +559,7 @@ class Trainer:
         self.step = int(state["step"])
         self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
         self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
+        self.flops_seen = float(state.get("flops_seen", 0.0))
 
     def save_final(self) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers."""

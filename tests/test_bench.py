@@ -56,6 +56,20 @@ def test_token_and_time_budgets_stop_the_trainer(gcf, tmp_path):
         assert r["tokens/generated"] > 0
     assert seen[0] == rows[0]["tokens/generated"] + rows[0]["tokens"]
 
+    out = tmp_path / "flops"
+    from gcfamily.models import tiny_model, tiny_tokenizer
+
+    P = sum(p.numel() for p in tiny_model(len(tiny_tokenizer())).parameters())
+    budget = 40 * 6 * P  # about a step's worth of loss tokens
+    code, _, err = gcf("run", "--method", "grpo", "--model", "tiny", "--max-steps", "50", "--output-dir", str(out),
+                       "--set", f"max_flops={budget}", "--set", "batch_size=2", "--set", "group_size=4", "--set", "max_new_tokens=8",
+                       "--set", "progress=false")
+    assert code == 0, err
+    rows = [r for r in metrics_rows(out) if "loss" in r]
+    flops = [r["budget/flops"] for r in rows]
+    assert flops[-1] >= budget and all(f < budget for f in flops[:-1]) and len(rows) < 50
+    assert flops[0] == P * (6 * rows[0]["tokens"] + 2 * rows[0]["tokens/generated"])
+
     out = tmp_path / "time"
     code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "50", "--output-dir", str(out),
                        "--set", "max_time=1e-9", "--set", "progress=false", "--eval")
@@ -92,7 +106,8 @@ def test_default_suite_resolves_every_method():
 def test_budget_and_settings_errors(gcf, tmp_path):
     assert parse_budget("steps:5") == {"max_steps": 5}
     assert parse_budget("time:90") == {"max_time": 90.0, "max_steps": 10000}
-    with pytest.raises(GcfError, match="steps:N, tokens:N or time:SECONDS"):
+    assert parse_budget("flops:1e15") == {"max_flops": 1e15, "max_steps": 10000}
+    with pytest.raises(GcfError, match="steps:N, tokens:N, time:SECONDS or flops:N"):
         parse_budget("weeks:2")
     s = resolve(None, run_settings(SUITES["quick"], "grpo", "grpo", "tiny", "arithmetic", {"max_steps": 3}, {"lr": "0.5", "dpo.beta": "0.3"}, tmp_path))
     assert s.lr == 0.5 and s.beta == 0.04 and s.max_steps == 3  # METHOD.KEY only reaches that method
