@@ -121,6 +121,33 @@ def default_methods() -> list[str]:
     return [m if m in METHODS else f"gcfamily.methods.{m}:{m.upper()}" for m in DEFAULT_METHODS]
 
 
+def recipe(suite: dict[str, Any], spec: str, name: str) -> dict[str, Any]:
+    """A method's recipe in the suite: its own, else its family's (an on-policy method takes GRPO's batch shape, lr and beta;
+    a preference method DPO's; a demonstration method SFT's), so that every method of the zoo runs on the same budget."""
+    if name in suite["methods"]:
+        return dict(suite["methods"][name])
+    from gcfamily.methods import get_method
+
+    kind = get_method(spec).data_kind
+    family = {"prompts": "grpo", "pairs": "dpo", "labelled": "dpo", "demonstrations": "sft"}.get(kind)
+    own = dict(suite["methods"].get(family, {})) if family else {}
+    from gcfamily.config import setting_names
+
+    known = setting_names(spec)
+    return {k: v for k, v in own.items() if k in known}  # beta is GRPO's KL weight or DPO's temperature: only where the method has it
+
+
+DATA_KINDS = {"demonstrations": "demonstrations", "prompts": "own samples", "pairs": "offline pairs", "labelled": "labelled completions"}
+
+
+def data_label(spec: str) -> str:
+    """What a method trained on, for the table: demonstrations, own samples (on-policy), offline pairs, labelled completions."""
+    from gcfamily.methods import get_method
+
+    cls = get_method(spec)
+    return DATA_KINDS.get(cls.data_kind, cls.data_kind or "-")
+
+
 def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: str, budget: dict[str, Any],
                  sets: dict[str, str], out: Path) -> dict[str, Any]:
     """Settings of one method's run: common, the method's recipe, the budget, then --set (KEY or METHOD.KEY).
@@ -132,7 +159,7 @@ def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: 
     s: dict[str, Any] = {"method": spec, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
                          "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
     s.update(suite["common"])
-    s.update(suite["methods"].get(name, {}))
+    s.update(recipe(suite, spec, name))
     s.update(budget)
     own = setting_names(spec)
     for key, value in sets.items():
@@ -364,6 +391,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
             proc = launch(plan, out / name, env)
             (out / name / "bench_proc.json").write_text(json.dumps(proc))
         results[name] = summarise(out / name, proc)
+        results[name]["data"] = data_label(plan["method_spec"])
         r = results[name]
         if proc["returncode"] != 0:
             echo(f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log")
@@ -392,7 +420,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 
 
 @click.command("bench")
-@click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class); default {','.join(DEFAULT_METHODS)}.")
+@click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.")
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
 @click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
 @click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).")
@@ -408,7 +436,12 @@ def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optio
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
-    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
+    if methods == "all":  # every method of the zoo: built in, and registered by installed packages
+        from gcfamily.methods import all_methods
+
+        chosen = list(all_methods())
+    else:
+        chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
     folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
     res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline)
     failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]

@@ -83,16 +83,16 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; "
              f"{header['date']}; total {header['total_s']:.0f} s of runs"
              + (f" ({', '.join(header['kept'])} kept from an earlier invocation with the same settings)" if header.get("kept") else "") + ".", "",
-             "| method | steps | held-out acc before | after | pass@1 / pass@k | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | data | steps | held-out acc before | after | pass@1 / pass@k | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if r.get("returncode") != 0:
-            lines.append(f"| {name} | failed (exit {r.get('returncode')}; see {r.get('folder')}/bench.log) |" + " |" * 13)
+            lines.append(f"| {name} | failed (exit {r.get('returncode')}; see {r.get('folder')}/bench.log) |" + " |" * 14)
             continue
         q = (r.get("gc") or {}).get("quantiles") or {}
         gcq = " / ".join(fmt(q.get(k), ".2g") for k in ("p5", "p50", "p95")) if q else "-"
         lines.append("| " + " | ".join([
-            name, str(r["steps"]), fmt(r["accuracy_before"], ".3f"), fmt(r["accuracy_after"], ".3f"),
+            name, r.get("data", "-"), str(r["steps"]), fmt(r["accuracy_before"], ".3f"), fmt(r["accuracy_after"], ".3f"),
             f"{fmt(r.get('pass_at_1'), '.3f')} / {fmt(r.get('pass_at_k'), '.3f')}" + (f" (k={r['k']})" if r.get("k") else ""), fmt(r["reward_final"], ".3f"),
             fmt(r["kl_ref"], ".2g"), fmt(r["step_s_median"], ".3g"), fmt(r["train_tokens_per_s"], ".0f"),
             fmt(r["generation_tokens_per_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["gc_mean"], ".3g"),

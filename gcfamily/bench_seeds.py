@@ -104,9 +104,9 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
     lines = [f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}, {seeds} seed(s)", "",
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
              f"total {header['total_s']:.0f} s of runs.", "",
-             f"| method | seeds | held-out acc before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (paired bootstrap 95%) "
+             f"| method | data | seeds | held-out acc before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (paired bootstrap 95%) "
              "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, a in agg.items():
         pooled = a["pooled"]
         pooled_s = "-" if pooled is None else f"{pooled[0]:.3f} [{pooled[1]:.3f}, {pooled[2]:.3f}] (n={a['pooled_n']})"
@@ -115,7 +115,7 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
             f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" + (" **significant**" if c["significant"] else " (not significant)"))
         failed = a["seeds"] - a["ok"]
         lines.append("| " + " | ".join([
-            m, f"{a['ok']}" + (f" ({failed} failed)" if failed else ""), _ci(a["accuracy_before"]), _ci(a["accuracy_after"]), pooled_s, vs,
+            m, next((r["data"] for r in per_method[m] if r.get("data")), "-"), f"{a['ok']}" + (f" ({failed} failed)" if failed else ""), _ci(a["accuracy_before"]), _ci(a["accuracy_after"]), pooled_s, vs,
             f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)}" + (f" (k={runs_k(per_method[m])})" if runs_k(per_method[m]) else ""),
             _ci(a["reward_final"]), _ci(a["kl_ref"], ".2g"),
             *(_ci(a[k], spec, interval=False) for k, spec in (("steps", ".0f"), ("prompts_seen", ".0f"), ("train_tokens", ".3g"),

@@ -98,6 +98,19 @@ def test_eval_every_s_evaluates_each_time_the_training_clock_crosses_a_multiple(
     assert [r["budget/elapsed_s"] for r in rows if "loss" in r] == [9.0, 15.0, 21.0, 24.0]
 
 
+def test_every_method_of_the_zoo_gets_a_recipe_of_its_family(tmp_path):
+    from gcfamily.bench import data_label, recipe
+    from gcfamily.methods import all_methods
+
+    for name in all_methods():
+        for suite in SUITES.values():
+            run_settings(suite, name, name, "tiny", "arithmetic", {"max_steps": 1}, {}, tmp_path)  # validates
+    quick = SUITES["quick"]
+    assert recipe(quick, "gspo", "gspo") == quick["methods"]["grpo"]  # on-policy: GRPO's shape, lr and KL weight
+    assert recipe(quick, "orpo", "orpo")["lr"] == quick["methods"]["dpo"]["lr"] and "beta" not in recipe(quick, "orpo", "orpo")
+    assert [data_label(m) for m in ("sft", "grpo", "dpo", "kto")] == ["demonstrations", "own samples", "offline pairs", "labelled completions"]
+
+
 def test_default_suite_resolves_every_method():
     assert [method_name(m) for m in default_methods()] == list(DEFAULT_METHODS)  # ppo by module:Class until it is registered
     assert set(SUITES["default"]["methods"]) == set(SUITES["quick"]["methods"]) == set(DEFAULT_METHODS)
@@ -166,7 +179,7 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert [json.loads((f / "run_config.json").read_text())["seed"] for f in folders] == [0, 1, 0, 1]
     assert all(len(heldout(f)) == 6 for f in folders)
     md = (out / "bench.md").read_text()
-    assert "2 seed(s)" in md and "vs sft (paired bootstrap 95%)" in md and "| sft | 2 |" in md and "baseline" in md
+    assert "2 seed(s)" in md and "vs sft (paired bootstrap 95%)" in md and "| sft | demonstrations | 2 |" in md and "baseline" in md
     grpo_row = next(line for line in md.splitlines() if line.startswith("| grpo |"))
     assert "significant" in grpo_row and "(n=12)" in grpo_row
     assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file() and (out / "frontier.png").is_file()
