@@ -50,6 +50,11 @@ from gcfamily.bench_report import fmt, plots, summarise, table
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 
 DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
+TASK_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sorting-short": ("sorting", {"min_len": 2, "max_len": 3}),  # SmolLM2-135M-Instruct starts at 0.27 (27/100 held-out, greedy)
+}
+"""Task names with options, for a second task where the base model starts between 10% and 60%: arithmetic (mixed levels) starts at
+0.625-0.67, countdown at 0.00, sorting of 3-6 numbers at 0.06, sorting of 2-3 numbers at 0.27 (`gcf eval --samples 100`)."""
 BUDGET_KINDS = ("steps", "tokens", "time", "flops")
 STEP_CAP = 10000
 GC_KEEP = 200_000
@@ -156,8 +161,11 @@ def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: 
     KL weight and DPO's temperature, and SFT has none); `check_sets` refuses a key no method of the suite has."""
     from gcfamily.config import resolve, setting_names, validate
 
+    task, options = TASK_PRESETS.get(task, (task, {}))
     s: dict[str, Any] = {"method": spec, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
                          "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
+    if options:
+        s["task_options"] = dict(options)
     s.update(suite["common"])
     s.update(recipe(suite, spec, name))
     s.update(budget)
@@ -422,7 +430,8 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.command("bench")
 @click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.")
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
-@click.option("--task", default="arithmetic", show_default=True, help="Built-in task.")
+@click.option("--task", default="arithmetic", show_default=True,
+              help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, OUT/TASK/).")
 @click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).")
 @click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
 @click.option("--output-dir", "--out", "out", default=None, help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).")
@@ -443,8 +452,12 @@ def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optio
     else:
         chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
     folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
-    res = run_bench(chosen, model, task, budget, quick, folder, parse_sets(sets), threads, echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline)
-    failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
+    tasks = [t.strip() for t in task.split(",") if t.strip()]
+    failed = []
+    for t in tasks:  # several tasks: one suite each, in OUT/<task>/
+        res = run_bench(chosen, model, t, budget, quick, folder / t if len(tasks) > 1 else folder, parse_sets(sets), threads,
+                        echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline)
+        failed += [f"{n} ({t})" if len(tasks) > 1 else n for n, r in res["results"].items() if r.get("returncode") != 0]
     if failed:
         raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")
 

@@ -297,7 +297,13 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
     from gcfamily.evaluate import heldout_accuracy
     from gcfamily.tasks import get_task
 
-    t = get_task(task, seed=seed, **parse_sets(sets))
+    import yaml
+
+    try:  # --set min_len=2: a number, as in a recipe's task_options
+        options = {k: yaml.safe_load(v) for k, v in parse_sets(sets).items()}
+    except yaml.YAMLError as e:
+        raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
+    t = get_task(task, seed=seed, **options)
     m, tok = load_model(model, resolve_dtype("auto", dev), dev)
     t0 = time.time()
     acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)

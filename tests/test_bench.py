@@ -185,3 +185,21 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file() and (out / "frontier.png").is_file()
     code, _, err = gcf("bench", "--quick", "--methods", "sft", "--baseline", "dpo", "--output-dir", str(tmp_path / "c"))
     assert code == 2 and "--baseline dpo is not one of the suite's methods" in err
+
+
+def test_several_tasks_run_one_suite_each_and_presets_carry_their_options(gcf, tmp_path):
+    out = tmp_path / "b"
+    code, _, err = gcf("bench", "--quick", "--methods", "sft", "--task", "arithmetic,sorting-short", "--budget", "steps:1",
+                       "--output-dir", str(out), "--set", "eval_samples=4", "--set", "max_new_tokens=4")
+    assert code == 0, err
+    assert (out / "arithmetic" / "bench.md").is_file() and (out / "sorting-short" / "bench.md").is_file()
+    cfg = json.loads((out / "sorting-short" / "sft" / "run_config.json").read_text())
+    assert cfg["task"] == "sorting" and cfg["task_options"] == {"min_len": 2, "max_len": 3}
+
+
+def test_gcf_eval_types_task_options(gcf):
+    code, out, err = gcf("eval", "--model", "tiny", "--task", "sorting", "--samples", "2", "--max-new-tokens", "2", "--device", "cpu",
+                         "--set", "min_len=2", "--set", "max_len=3")
+    assert code == 0 and "held-out accuracy" in out, err
+    code, out, err = gcf("eval", "--model", "tiny", "--task", "sorting", "--samples", "2", "--set", "min_len=two")
+    assert code == 2 and err.startswith("error: task 'sorting' cannot take the options") and len(err.strip().splitlines()) == 1, err
