@@ -358,7 +358,7 @@ def _load() -> str:
 
 def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optional[str], quick: bool,
               out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print, fresh: bool = False,
-              seeds: int = 1, baseline: Optional[str] = None) -> dict[str, Any]:
+              seeds: int = 1, baseline: Optional[str] = None, sweep: Optional[str] = None) -> dict[str, Any]:
     """Run every method (seeds times: OUT/METHOD/seed-K) in its own subprocess, then write bench.md, bench.json and the plots into out."""
     suite = SUITES["quick" if quick else "default"]
     model = model or suite["model"]
@@ -373,7 +373,24 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     if seeds < 1:
         raise GcfError("--seeds must be at least 1.")
     plans = {}
-    for spec in methods:
+    swept = None
+    if sweep is not None:
+        from gcfamily.bench_sweep import parse_sweep
+        from gcfamily.config import setting_names
+
+        if seeds > 1:
+            raise GcfError("--sweep and --seeds are not combined yet; run the sweep with one seed, then --seeds at the chosen values.")
+        swept = parse_sweep(sweep)
+        for spec in methods:
+            values = swept[1] if swept[0].replace("-", "_") in setting_names(spec) else [None]
+            for v in values:
+                extra = dict(sets) if v is None else {**sets, swept[0]: v}
+                key = names[spec] if v is None else f"{names[spec]}/{swept[0]}={v}"
+                settings = run_settings(suite, spec, names[spec], model, task, stop, extra, out)
+                settings.update(task_seed=settings.get("task_seed", settings.get("seed", 0)), output_dir=str(out / key),
+                                validation_rows=int(settings.get("eval_samples", 64)))  # the choice never reads the test split
+                plans[key] = {"method_spec": spec, "settings": settings}
+    for spec in methods if sweep is None else []:
         for k in range(seeds):
             key = names[spec] if seeds == 1 else f"{names[spec]}/seed-{k}"
             settings = run_settings(suite, spec, names[spec], model, task, stop, sets, out)
@@ -410,7 +427,21 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
         per_method.setdefault(key.split("/")[0], []).append(r)
-    if seeds > 1 or baseline is not None:
+    if swept is not None:
+        from gcfamily.bench_sweep import choose, final_validation, heldout_of, sweep_table
+
+        first = next(iter(plans.values()))["settings"]
+        base_acc = heldout_of(None, first)
+        for m, runs in per_method.items():
+            for r in runs:
+                r["val_accuracy"] = final_validation(Path(r["folder"]))
+            i = choose([str(j) for j in range(len(runs))], [r["val_accuracy"] for r in runs])
+            if i is not None:  # only now, and only for the chosen run, is the test split read
+                runs[i]["heldout_after"] = heldout_of(Path(runs[i]["folder"]), plans[f"{m}/{swept[0]}={swept[1][i]}" if len(runs) > 1 else m]["settings"])
+        values = swept[1]
+        (out / "bench.md").write_text(sweep_table(swept[0], values, per_method, base_acc, header))
+        pngs = []
+    elif seeds > 1 or baseline is not None:
         from gcfamily.bench_seeds import band_plots, seeds_table
 
         (out / "bench.md").write_text(seeds_table(per_method, header, baseline or next(iter(per_method))))
@@ -418,9 +449,10 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     else:
         (out / "bench.md").write_text(table(results, header))
         pngs = plots(results, out)
-    from gcfamily.bench_seeds import frontier_plot
+    if swept is None:
+        from gcfamily.bench_seeds import frontier_plot
 
-    pngs += [p for p in [frontier_plot(per_method, out)] if p is not None]
+        pngs += [p for p in [frontier_plot(per_method, out)] if p is not None]
     (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
                                                 "results": results}, indent=1, default=str))
     echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}, " + ", ".join(str(p) for p in pngs))
@@ -440,8 +472,10 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
 @click.option("--fresh", is_flag=True, help="Run every method again, even one that already finished in --out with the same settings.")
 @click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True, help="Runs per method (seeds 0..N-1): means, intervals and bands.")
 @click.option("--baseline", default=None, help="Method every other is compared with, paired over prompts and seeds; default the first.")
+@click.option("--sweep", default=None, help="KEY=V1,V2,...: each method's value chosen on a validation split (never the held-out prompts), "
+              "then its held-out accuracy reported.")
 def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optional[str], quick: bool, out: Optional[str],
-          sets: tuple[str, ...], threads: Optional[int], fresh: bool, seeds: int, baseline: Optional[str]) -> None:
+          sets: tuple[str, ...], threads: Optional[int], fresh: bool, seeds: int, baseline: Optional[str], sweep: Optional[str]) -> None:
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
@@ -456,7 +490,7 @@ def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optio
     failed = []
     for t in tasks:  # several tasks: one suite each, in OUT/<task>/
         res = run_bench(chosen, model, t, budget, quick, folder / t if len(tasks) > 1 else folder, parse_sets(sets), threads,
-                        echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline)
+                        echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline, sweep=sweep)
         failed += [f"{n} ({t})" if len(tasks) > 1 else n for n, r in res["results"].items() if r.get("returncode") != 0]
     if failed:
         raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

@@ -16,6 +16,9 @@ class DataSettings:
     task_seed: Optional[int] = None
     """Seed of the task's problems and train/test split; None takes the run's seed. `gcf bench --seeds N` fixes it at 0 so that every
     method and seed is evaluated on the same held-out prompts."""
+    validation_rows: int = 0
+    """Rows at the end of the task's train split kept out of training as a validation set; with it, the run's evaluations score
+    them (eval/val_accuracy) instead of the test split, which the run then never reads (`gcf bench --sweep` chooses on them)."""
     dataset: Optional[str] = None
     """Training rows instead of the task's: a JSONL/JSON/parquet/CSV file, a save_to_disk folder, or a hub id (org/name).
     Any of TRL's formats the method takes (`gcf data` shows what a method makes of it)."""

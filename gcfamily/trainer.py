@@ -228,8 +228,21 @@ class Trainer:
         if self.dataset is not None:
             return load_rows(self.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
         if self.task is not None:
-            return self.method_cls.task_rows(self.task, cfg)
+            rows = self.method_cls.task_rows(self.task, cfg)
+            if cfg.validation_rows:  # the validation prompts never train
+                held = {str(r["prompt"]) for r in self.validation_rows()}
+                rows = [r for r in rows if str(r["prompt"]) not in held]
+                if not rows:
+                    raise GcfError(f"validation_rows={cfg.validation_rows} leaves no training rows of task {cfg.task}; lower it.")
+            return rows
         raise GcfError(f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME.")
+
+    def validation_rows(self) -> list[dict[str, Any]]:
+        """The last validation_rows rows of the task's train split (never trained on when validation_rows > 0)."""
+        train = self.task.rows("train")
+        if self.cfg.validation_rows >= len(train):
+            raise GcfError(f"validation_rows={self.cfg.validation_rows} is not smaller than task {self.cfg.task}'s {len(train)} training rows; lower it.")
+        return train[len(train) - self.cfg.validation_rows:]
 
     def _load_task(self) -> Any:
         if self.cfg.task is None or self.dataset is not None:  # a dataset replaces the task: its accuracy is never reported
@@ -397,9 +410,10 @@ class Trainer:
                 self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
                 self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics["tokens/generated"])
                 metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
-                if self._time_to_evaluate(before_s) and "eval/accuracy" not in metrics:  # the reduced clock: every rank agrees
+                evaluated = any(k.startswith("eval/") for k in metrics)
+                if self._time_to_evaluate(before_s) and not evaluated:  # the reduced clock: every rank agrees
                     metrics.update(self.evaluate())
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or "eval/accuracy" in metrics:
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or any(k.startswith("eval/") for k in metrics):
                     self.logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
@@ -457,9 +471,10 @@ class Trainer:
             if self.eval_dataset is not None:
                 out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
             else:  # the task's held-out accuracy: the share of its first eval_samples test prompts scoring >= 1
-                rows = self.task.rows("test", cfg.eval_samples)
+                validation = bool(cfg.validation_rows)  # then the test split is never read
+                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.rows("test", cfg.eval_samples)
                 out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
-                out = {"eval/accuracy": out["eval/accuracy"]}
+                out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
         unwrapped.train(was_training)
         if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
             with (self.out_dir / "eval_details.jsonl").open("a") as f:

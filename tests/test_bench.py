@@ -203,3 +203,37 @@ def test_gcf_eval_types_task_options(gcf):
     assert code == 0 and "held-out accuracy" in out, err
     code, out, err = gcf("eval", "--model", "tiny", "--task", "sorting", "--samples", "2", "--set", "min_len=two")
     assert code == 2 and err.startswith("error: task 'sorting' cannot take the options") and len(err.strip().splitlines()) == 1, err
+
+
+def test_sweep_chooses_on_validation_rows_and_never_reads_the_test_split(gcf, tmp_path):
+    from gcfamily.bench_seeds import prompts_of
+    from gcfamily.bench_sweep import choose, parse_sweep
+    from gcfamily.tasks import get_task
+
+    assert parse_sweep("lr=1e-6, 3e-6") == ("lr", ["1e-6", "3e-6"])
+    with pytest.raises(GcfError, match="at least two values"):
+        parse_sweep("lr=1e-6")
+    assert choose(["a", "b", "c"], [0.5, 0.7, 0.7]) == 1 and choose(["a"], [None]) is None
+    out = tmp_path / "s"
+    code, _, err = gcf("bench", "--quick", "--methods", "sft", "--budget", "steps:1", "--sweep", "lr=1e-3,3e-3", "--output-dir", str(out),
+                       "--set", "eval_samples=5", "--set", "max_new_tokens=2")
+    assert code == 0, err
+    task = get_task("arithmetic", seed=0)
+    test = {r["prompt"] for r in task.rows("test")}
+    validation = [r["prompt"] for r in task.rows("train")[-5:]]
+    for v in ("1e-3", "3e-3"):
+        folder = out / "sft" / f"lr={v}"
+        assert prompts_of(folder) == validation and not set(prompts_of(folder)) & test  # the run evaluated validation rows only
+        assert all("eval/accuracy" not in r for r in metrics_rows(folder))
+    md = (out / "bench.md").read_text()
+    assert "| sft | " in md and "chosen lr" in md and "after, at the chosen" in md
+
+
+def test_validation_rows_never_train(tmp_path):
+    from gcfamily.config import Config
+    from gcfamily.trainer import Trainer
+
+    tr = Trainer(Config(method="sft", model="tiny", task="arithmetic", output_dir=str(tmp_path / "r"), validation_rows=10, progress=False))
+    held = {r["prompt"] for r in tr.validation_rows()}
+    assert len(held) == 10 and not held & {r["prompt"] for r in tr.training_rows()}
+    tr.lock.release()
