@@ -171,7 +171,7 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
 
     out = tmp_path / "b"
     code, stdout, stderr = gcf("bench", "--quick", "--methods", "sft,grpo", "--budget", "steps:2", "--seeds", "2", "--baseline", "sft",
-                               "--output-dir", str(out), "--set", "eval_samples=6", "--set", "max_new_tokens=4")
+                               "--output-dir", str(out), "--set", "eval_samples=6", "--set", "max_new_tokens=4", "--set", "group_size=2")
     assert code == 0, stderr
     folders = [out / m / f"seed-{k}" for m in ("sft", "grpo") for k in (0, 1)]
     prompts = [prompts_of(f) for f in folders]
