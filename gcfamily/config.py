@@ -433,6 +433,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "max_time": (_real(0), ">= 0 and finite (0 = no limit)"),
     "max_tokens": (_whole(0), ">= 0 (0 = no limit)"),
     "max_flops": (_real(0), ">= 0 and finite (0 = no limit)"),
+    "validation_rows": (_whole(0), ">= 0 (0 = evaluate on the test split)"),
     "batch_size": (_whole(1, MAX_ROWS), f"in [1, {MAX_ROWS}]"),
     "micro_batch_size": (_whole(1), ">= 1"),
     "norm_constant": (_real(0, lo_open=True), "> 0 and finite"),

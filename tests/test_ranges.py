@@ -27,6 +27,8 @@ RANGES = {
     "task_seed": ("int", 0, 2**63 - 1, False, False),  # or None: the run's seed
     "max_steps": ("int", 0, INF, False, False),
     "max_tokens": ("int", 0, INF, False, False),
+    "max_flops": ("float", 0, INF, False, True),
+    "validation_rows": ("int", 0, INF, False, False),
     "batch_size": ("int", 1, 2**20, False, False),
     "micro_batch_size": ("int", 1, INF, False, False),
     "chunk_size": ("int", 1, INF, False, False),
