@@ -190,7 +190,7 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
 def test_several_tasks_run_one_suite_each_and_presets_carry_their_options(gcf, tmp_path):
     out = tmp_path / "b"
     code, _, err = gcf("bench", "--quick", "--methods", "sft", "--task", "arithmetic,sorting-short", "--budget", "steps:1",
-                       "--output-dir", str(out), "--set", "eval_samples=4", "--set", "max_new_tokens=4")
+                       "--output-dir", str(out), "--set", "eval_samples=2", "--set", "max_new_tokens=2", "--set", "group_size=2")
     assert code == 0, err
     assert (out / "arithmetic" / "bench.md").is_file() and (out / "sorting-short" / "bench.md").is_file()
     cfg = json.loads((out / "sorting-short" / "sft" / "run_config.json").read_text())
