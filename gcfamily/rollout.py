@@ -10,8 +10,12 @@ completion does not drag 63 finished ones through every layer.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import ctypes
+import ctypes.util
 import inspect
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -292,9 +296,23 @@ def generate(
             logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
             next_pos = next_pos + 1
     lengths[active], ended[active] = len_a, ended_a
+    del cache, logits  # the KV cache and the oneDNN packed weights (freed with the block) are done with:
+    _release_free_heap()  # hand their memory back to the system before the training passes allocate theirs
     if settings.stop_strings:
         _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)
     return _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, settings.stop_strings)
+
+
+def _release_free_heap() -> None:
+    """glibc's malloc_trim(0): return the heap's free pages to the system (Linux; elsewhere a no-op).
+
+    The packed weights and KV-cache buffers a rollout frees are small blocks in malloc's heap, which
+    glibc keeps for reuse; the training forwards that follow allocate blocks of other sizes, so
+    without this the process would hold both. Only free memory is released: no value changes.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def context_length(model) -> int | None:
