@@ -1,142 +1,196 @@
-"""One prepared GPU check: bf16 steps of GRPO, SFT and DPO through the real trainer.
+"""One prepared GPU check: the rollout's decode and a bf16 GRPO step, eager and compiled, on two model shapes.
 
-Prints, per method, seconds per step (split into generation/scoring, prepare, and the
-training passes), training tokens/s (every non-pad token forwarded and backpropagated),
-generation tokens/s, peak GPU memory, and the training FLOP rate as a fraction of the chip's
-own bf16 matmul rate measured in the same run (6 x parameters x tokens, plus 2 x parameters x
-tokens for each no-grad reference/old forward).
+For a SmolLM2-135M-shaped and a Qwen2.5-0.5B-shaped model (random weights from their published
+configs: timings depend on shapes, not on weight values), it prints and writes as JSON:
 
-Usage (on a CUDA machine, from the repository root):
-    PYTHONPATH=. python3 benchmarks/gpu_step.py --model DIR [--steps 4] [--methods grpo,sft,dpo]
-    PYTHONPATH=. python3 benchmarks/gpu_step.py --model qwen2.5-0.5b-shaped --methods grpo,grpo-lora   # full vs LoRA r=16
-`qwen2.5-0.5b-shaped` is a random Qwen2ForCausalLM from Qwen2.5-0.5B's published config
-(benchmarks/memory.py writes it once under the cache folder).
-DIR is a Hugging Face checkpoint folder (or an alias); `--random-init DIR` first writes a
-randomly initialised copy of the architecture in DIR's config.json (for machines that
-cannot load the real weights; timings depend on shapes, not on weight values, except that a
-random model never stops early, so every completion runs to max_new_tokens).
+- decode at batch 64 (8 prompts x 8 samples, --new-tokens new tokens, every row forced to the full
+  length): ms per decode step, generated tokens/s, prefill seconds; eager (`rollout_compile: off`)
+  and compiled (`on`: fixed-shape step, CUDA graphs), the compiled one after its first, compiling call;
+- a GRPO step (8 x 8, the same new tokens, beta 0.04) through the real trainer, bf16 compute over
+  float32 master weights (on CUDA): seconds per step, its generation share, training tokens/s, the
+  training FLOP rate as a share of the chip's bf16 matmul rate measured in the same run, and peak memory.
+
+It runs from the working tree with nothing installed (`PYTHONPATH=.`), importing only torch,
+transformers and the project (no `datasets`, no `gguf`): the tokenizer is the built-in character-level
+one, which is all random weights need. Completions are forced to full length by giving the sampler no
+EOS id (a random model would otherwise stop some rows early by chance).
+
+    PYTHONPATH=. python3 benchmarks/gpu_step.py --json $OUT/gpu_step.json           # CUDA, both models
+    PYTHONPATH=. python3 benchmarks/gpu_step.py --device cpu --model tiny            # the CPU smoke run (CI-like, < 2 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-def matmul_rate(dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float:
-    """Measured dense matmul FLOP/s of this device for dtype."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
+SHAPES = {  # published configs (config.json of HuggingFaceTB/SmolLM2-135M-Instruct and Qwen/Qwen2.5-0.5B-Instruct)
+    "smollm2-135m-shaped": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                          num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                          max_position_embeddings=8192, tie_word_embeddings=True)),
+    "qwen2.5-0.5b-shaped": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False)),
+    "tiny": ("llama", dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)),
+}
+PROMPTS = ["What is 12 + 7?", "What is 9 * 8?", "Compute 45 - 17.", "What is 144 / 12?",
+           "What is 3 + 4 * 2?", "Compute 15 * 15.", "What is 100 - 37?", "What is 7 * 6 + 1?"]
+
+
+def build(name: str):
+    """A random model of the named shape (float32, sdpa) and the character-level tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from gcfamily.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    family, shape = SHAPES[name]
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    config = (LlamaConfig if family == "llama" else Qwen2Config)(**shape, **ids, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM)(config)
+    return model, tok
+
+
+def matmul_rate(device: str, dtype: torch.dtype) -> float:
+    """Measured dense matmul FLOP/s of this device in dtype (8192^3 on CUDA, 1024^3 on the CPU)."""
+    n, reps = (8192, 10) if device == "cuda" else (1024, 5)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    sync(device)
     t = time.perf_counter()
     for _ in range(reps):
         a @ b
-    torch.cuda.synchronize()
+    sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
-def random_init(folder: Path) -> None:
-    """Write random weights for the architecture in folder/config.json (bf16 safetensors)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder, safe_serialization=True)
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def run_method(method: str, model: str, steps: int, extra: dict, device: str = "cuda") -> dict:
+def decode_figures(trainer, new_tokens: int, mode: str, reps: int) -> dict:
+    """Rollout of 8 prompts x 8 samples at full length through the trainer's own policy and autocast."""
+    from gcfamily.rollout import SamplingSettings, generate
+
+    model, tok, device = trainer.unwrapped_policy(), trainer.formatter.tokenizer, trainer.device.type
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+
+    def once(c: int) -> float:
+        sync(device)
+        t = time.perf_counter()
+        with torch.no_grad(), trainer.autocast():
+            ro = generate(model, tok, prompt_ids, 8, SamplingSettings(max_new_tokens=c, compile=mode), torch.Generator().manual_seed(0), [])
+        sync(device)
+        assert int(ro.completion_lengths.min()) == c  # forced to the full length
+        return time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    once(new_tokens)  # first call: allocation, kernel choice, and for `on` the compilation and graph captures
+    first = time.perf_counter() - t0
+    prefill = min(once(1) for _ in range(reps))
+    total = min(once(new_tokens) for _ in range(reps))
+    return {"mode": mode, "first_call_s": first, "prefill_s": prefill, "rollout_s": total,
+            "decode_ms_per_token": 1000 * (total - prefill) / max(new_tokens - 1, 1),
+            "generated_tokens_per_s": 64 * new_tokens / total}
+
+
+def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float) -> dict:
+    import gcfamily.rollout as rollout
     from gcfamily.config import Config
     from gcfamily.logger import read_metrics
     from gcfamily.trainer import Trainer
 
-    out = Path(tempfile.mkdtemp(prefix=f"gpu-{method}-"))
-    base = dict(method=method, model=model, task="arithmetic", max_steps=steps, output_dir=str(out), progress=False,
-                device=device, dtype="bfloat16" if device == "cuda" else "float32", lr=1e-6, save_every=0)
-    base.update(extra)
-    cfg = Config(**base)
+    out = Path(tempfile.mkdtemp(prefix=f"gpu-step-{name}-{mode}-"))
+    cfg = Config(method="grpo", model=name, task="arithmetic", max_steps=steps, output_dir=str(out), progress=False, device=device,
+                 dtype="bfloat16" if device == "cuda" else "float32", lr=1e-6, save_every=0, batch_size=8, group_size=8,
+                 max_new_tokens=new_tokens, micro_batch_size=64, beta=0.04, rollout_compile=mode, report_to="none")
     if device == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, model=build(name))
+    decode = decode_figures(trainer, new_tokens, mode, reps)
     tokens: list[int] = []
     forwards: list[int] = []
     prepare = trainer.method.prepare
 
-    def counting_prepare(batch):  # count every non-pad token the step trains on, and the no-grad passes
+    def counting_prepare(batch):  # every non-pad token the step trains on, and the no-grad passes over them
         b = prepare(batch)
         tokens.append(int(b["attention_mask"].sum()))
         forwards.append(int("ref_logps" in b) + int("old_logps" in b))
         return b
 
     trainer.method.prepare = counting_prepare
-    trainer.run()
-    rows = [r for r in read_metrics(out) if "time/step_s" in r]
+    eos = rollout._eos_ids
+    rollout._eos_ids = lambda *a: []  # full-length completions in the training step too
+    try:
+        trainer.run()
+    finally:
+        rollout._eos_ids = eos
+    rows = [r for r in read_metrics(out) if "time/step_s" in r][1:]  # the first step pays for warm-up
+    tok, fw = tokens[1:], forwards[1:]
     params = sum(p.numel() for p in trainer.unwrapped_policy().parameters())
-    skip = 1 if len(rows) > 1 else 0  # the first step pays for allocator growth and kernel choice
-    rows, tok, fw = rows[skip:], tokens[skip:], forwards[skip:]
     step_s = sum(r["time/step_s"] for r in rows) / len(rows)
     gen_s = sum(r["time/data_s"] for r in rows) / len(rows)
-    prep_s = sum(r["time/prepare_s"] for r in rows) / len(rows)
-    train_s = step_s - gen_s - prep_s
-    tok_per_step = sum(tok) / len(tok)
+    train_s = step_s - gen_s
     flops = sum((6 + 2 * f) * params * t for f, t in zip(fw, tok)) / len(tok)
-    gen_tokens = sum(r.get("completion/length_mean", 0.0) for r in rows) / len(rows) * extra.get("batch_size", 8) * extra.get("group_size", 1)
-    return {
-        "method": method, "params": params, "step_s": step_s, "generation_s": gen_s, "prepare_s": prep_s, "train_s": train_s,
-        "train_tokens_per_step": tok_per_step, "train_tokens_per_s": tok_per_step / max(train_s + prep_s, 1e-9),
-        "train_flops_per_s": flops / max(train_s + prep_s, 1e-9),
-        "generation_tokens_per_s": gen_tokens / gen_s if gen_s > 0 and gen_tokens else None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
-    }
+    return {"model": name, "params": params, "mode": mode, **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
+            "step_s": step_s, "generation_s": gen_s, "train_s": train_s, "train_tokens_per_step": sum(tok) / len(tok),
+            "train_tokens_per_s": sum(tok) / len(tok) / max(train_s, 1e-9), "train_share_of_matmul": flops / max(train_s, 1e-9) / rate,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--random-init", action="store_true")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--methods", default="grpo,sft,dpo")
-    ap.add_argument("--json", default=None, help="also write the figures here")
-    ap.add_argument("--cpu-smoke", action="store_true", help="run the same script on the CPU (a dry run, no rates)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--model", default=None, help=f"comma-separated, of {', '.join(SHAPES)}; default the two shapes on CUDA, tiny on the CPU")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per completion (default 256 on CUDA, 64 on the CPU)")
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps per model and mode (the first is not counted)")
+    ap.add_argument("--reps", type=int, default=2, help="timed rollouts per mode (the fastest is kept)")
+    ap.add_argument("--modes", default="off,on", help="rollout_compile values to compare")
+    ap.add_argument("--json", default=None, help="also write every figure here")
     a = ap.parse_args()
-    if a.random_init:
-        random_init(Path(a.model))
-    model = a.model
-    if model == "qwen2.5-0.5b-shaped":
-        from memory import model_source  # benchmarks/ is on sys.path when this file runs as a script
-
-        model = model_source(model)
-    device = "cpu" if a.cpu_smoke else "cuda"
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    rate = matmul_rate(torch.bfloat16) if device == "cuda" else 1e12
-    print(f"bf16 matmul rate (8192^3, measured): {rate / 1e12:.0f} TFLOP/s")
-    settings = {
-        "grpo": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.04),
-        "grpo-lora": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.04, lora_r=16, lora_alpha=32.0),
-        "grpo-beta0": dict(batch_size=8, group_size=8, max_new_tokens=64, micro_batch_size=64, beta=0.0),
-        "sft": dict(batch_size=64, micro_batch_size=64),
-        "dpo": dict(batch_size=32, micro_batch_size=64, beta=0.1),
-    }
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    names = (a.model or ("smollm2-135m-shaped,qwen2.5-0.5b-shaped" if a.device == "cuda" else "tiny")).split(",")
+    new_tokens = a.new_tokens or (256 if a.device == "cuda" else 64)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    rate = matmul_rate(a.device, dtype)
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"{where}, torch {torch.__version__}; {str(dtype)[6:]} matmul rate measured: {rate / 1e12:.2f} TFLOP/s; "
+          f"GRPO 8 x 8, {new_tokens} new tokens (forced), beta 0.04", flush=True)
     results = []
-    for m in a.methods.split(","):
-        extra = settings.get(m, {})
-        r = run_method(m.replace("-beta0", "").replace("-lora", ""), model, a.steps, extra, device)
-        r["method"] = m
-        r["fraction_of_bf16_matmul"] = r["train_flops_per_s"] / rate
-        results.append(r)
-        gen = f", generation {r['generation_tokens_per_s']:.0f} tok/s" if r["generation_tokens_per_s"] else ""
-        print(f"{m}: {r['step_s']:.3f} s/step (generation {r['generation_s']:.3f}, prepare {r['prepare_s']:.3f}, train {r['train_s']:.3f}); "
-              f"{r['train_tokens_per_s']:.0f} train tok/s = {100 * r['fraction_of_bf16_matmul']:.1f}% of bf16 matmul{gen}; "
-              f"peak {r['peak_memory_gb']:.2f} GB", flush=True)
+    for name in names:
+        for mode in a.modes.split(","):
+            t = time.perf_counter()
+            r = grpo_figures(name, a.device, new_tokens, a.steps, mode, a.reps, rate)
+            r["wall_s"] = time.perf_counter() - t
+            results.append(r)
+            mem = f", peak {r['peak_memory_gb']:.2f} GB" if r["peak_memory_gb"] is not None else ""
+            print(f"{name} rollout_compile={mode}: decode {r['decode_decode_ms_per_token']:.2f} ms/token at batch 64, "
+                  f"{r['decode_generated_tokens_per_s']:.0f} generated tok/s (first call {r['decode_first_call_s']:.1f} s); "
+                  f"GRPO step {r['step_s']:.3f} s (generation {r['generation_s']:.3f}), training {r['train_tokens_per_s']:.0f} tok/s "
+                  f"= {100 * r['train_share_of_matmul']:.1f}% of matmul{mem} [{r['wall_s']:.0f} s]", flush=True)
+        by = {r["mode"]: r for r in results if r["model"] == name}
+        if "off" in by and "on" in by:
+            print(f"{name}: compiled / eager: step {by['off']['step_s'] / by['on']['step_s']:.2f}x faster, decode "
+                  f"{by['off']['decode_decode_ms_per_token'] / by['on']['decode_decode_ms_per_token']:.2f}x faster", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"bf16_matmul_flops": rate, "results": results}, indent=2))
+        Path(a.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "matmul_flops": rate,
+                                            "new_tokens": new_tokens, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ class Config(DataSettings):
     """Top-k sampling (0 = off)."""
     stop_strings: list = field(default_factory=list)
     """Strings that end a completion."""
+    rollout_compile: str = "auto"
+    """auto | on | off: decode through a fixed-shape step compiled with torch.compile (CUDA graphs on a GPU; gcfamily/decode.py);
+    auto compiles on CUDA only, where the rollout is launch-bound (on the CPU the compiled step measured slower than eager).
+    Models whose layers are not all full attention through SDPA decode eagerly either way."""
     reward: Optional[str | list] = None
     """Reward(s): a built-in name (numeric, exact, boxed), module:function or path/file.py:function, or a list of them
     (--reward repeated, reward=[a,b]) summed with reward_weights; None takes the task's reward. Built-ins, the task's reward
@@ -507,6 +511,7 @@ def validate(cfg: Config) -> None:
         (all(_real(-math.inf)(w) for w in weights), f"reward_weights={cfg.reward_weights} must be a list of finite numbers"),
         (len(weights) in (0, n_rewards), f"reward_weights has {len(weights)} values for {n_rewards} reward(s); give one weight per reward"),
         (cfg.chat_format in ("auto", "chat", "raw"), "chat_format must be auto, chat or raw"),
+        (cfg.rollout_compile in ("auto", "on", "off"), "rollout_compile must be auto, on or off"),
         (isinstance(cfg.columns, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in cfg.columns.items()),
          "columns must map names to column names, e.g. {prompt: question}"),
         (isinstance(cfg.report_to, (str, list)) and all(r in ("tensorboard", "wandb", "none") for r in ([cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to)),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from gcfamily import decode
 from gcfamily.errors import GcfError
 from gcfamily.onednn import packed_linears
 
@@ -44,6 +45,8 @@ class SamplingSettings:
     """Completions that reach this length without EOS or a stop string are marked truncated."""
     greedy: bool = False
     """Take the argmax; temperature, top_p and top_k are ignored and logps are at temperature 1."""
+    compile: str = "auto"
+    """auto | on | off: decode through the compiled fixed-shape step (gcfamily.decode); auto compiles on CUDA only."""
     stop_strings: tuple[str, ...] = ()
     """A completion ends at the token that completes one of these in its decoded text; the text is cut just
     after it (the stop string is kept, as its tokens are in completion_mask)."""
@@ -149,13 +152,14 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> to
 
 
 def sample_tokens(
-    logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None
+    logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of `logits` [B, V]; return (tokens [B], their log-probs [B]).
 
     The log-prob is log_softmax(logits / temperature) of the full distribution, before top-k /
     top-p filtering: the number a later forward pass at the same temperature gives for the token,
-    which is what importance ratios against pi_old need. Greedy uses temperature 1.
+    which is what importance ratios against pi_old need. Greedy uses temperature 1. `u` [B, 1], if
+    given, are the uniforms to draw with (else one per row is drawn from `generator`).
     """
     logits = logits.float()  # [B, V]; bf16 logits are sampled and scored in float32
     if settings.greedy:
@@ -172,7 +176,8 @@ def sample_tokens(
         above = weights.cumsum(-1) - weights  # [B, K]
         weights = weights.masked_fill(above >= settings.top_p * (above[:, -1:] + weights[:, -1:]), 0.0)
     # One uniform per row, drawn where the generator lives: a CPU generator can drive a CUDA model.
-    u = torch.rand(len(weights), 1, generator=generator, device=generator.device if generator else weights.device)
+    if u is None:
+        u = torch.rand(len(weights), 1, generator=generator, device=generator.device if generator else weights.device)
     idx = _inverse_cdf(weights, u.to(weights.device))  # [B, 1]
     tokens = idx if ids is None else ids.gather(-1, idx)  # [B, 1]
     # A sampled token's probability is far above float32's smallest normal, so its log is exact enough.
@@ -250,7 +255,8 @@ def generate(
     prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
     n, P = prompt.shape
     N = n * G
-    cache = _make_cache(model, P + C)
+    static = decode.wanted(model, settings.compile)
+    cache = _make_cache(model, P if static else P + C)
     cache_kw, takes_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if takes_keep else {}
 
@@ -258,13 +264,19 @@ def generate(
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
         return out.logits[:, -1]  # [B, V]
 
-    with packed_linears(model, N):  # CPU float32: oneDNN with weights packed once for the whole rollout
+    # CPU float32 eager decoding: oneDNN with weights packed once for the whole rollout (compiled code takes plain weights)
+    with contextlib.nullcontext() if static else packed_linears(model, N):
         # Prefill each distinct prompt once, then copy its cache rows G times.
         pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
         logits = step(prompt, prompt_mask, pos).repeat_interleave(G, 0)  # [N, V]
-        cache.batch_repeat_interleave(G)
         next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
-        mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
+        if static:  # fixed slots and batch buckets, one compiled step (gcfamily.decode)
+            dec = decode.decoder(model, N, P + C)
+            dec.load(cache, G, prompt_mask)
+            del cache
+        else:
+            cache.batch_repeat_interleave(G)
+            mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
 
         tokens = torch.full((N, C), pad_id, dtype=torch.long, device=device)  # [N, C]
         logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]
@@ -275,8 +287,12 @@ def generate(
         # without host syncs; it is written back to the [N] ones when the batch shrinks and at the end.
         active = torch.arange(N, device=device)  # [A]
         len_a, ended_a = lengths.clone(), ended.clone()  # [A]
+        draw = generator.device if generator is not None else device
         for t in range(C):
-            tok, lp = sample_tokens(logits, settings, generator)  # [A]
+            # One uniform per row of the result at every step, whichever rows are still in flight: the
+            # tokens drawn depend on the seed alone, not on when the batch was compacted.
+            u = None if settings.greedy else torch.rand(N, 1, generator=generator, device=draw)[active.to(draw)].to(device)
+            tok, lp = sample_tokens(logits, settings, generator, u)  # [A]
             tokens[active, t], logps[active, t] = tok, lp
             hit = torch.isin(tok, eos)  # [A]
             if settings.stop_strings and (t + 1) % _STOP_CHECK_EVERY == 0:
@@ -286,17 +302,26 @@ def generate(
             n_done = int(ended_a.sum())  # the one host sync per token
             if n_done == len(active) or t == C - 1:
                 break
-            if n_done and n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active):
-                # Drop ended rows so later steps spend nothing on them, once the row-steps that saves outweigh the copy.
+            # Drop ended rows so later steps spend nothing on them: eagerly once the row-steps saved outweigh
+            # the copy; in the static decoder when the rows left fit a smaller bucket.
+            if n_done and (dec.bucket(len(active) - n_done) < dec.size if static
+                           else n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active)):
                 lengths[active], ended[active] = len_a, ended_a
                 live = (~ended_a).nonzero()[:, 0]  # [A']
-                cache.batch_select_indices(live)
-                active, tok, next_pos, mask = active[live], tok[live], next_pos[live], mask[live]
+                if static:
+                    dec.keep(live)
+                else:
+                    cache.batch_select_indices(live)
+                    mask = mask[live]
+                active, tok, next_pos = active[live], tok[live], next_pos[live]
                 len_a, ended_a = len_a[live], ended_a[live]
-            logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
+            if static:
+                logits = dec.step(tok, next_pos, P + t)
+            else:
+                logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
             next_pos = next_pos + 1
     lengths[active], ended[active] = len_a, ended_a
-    del cache, logits  # the KV cache and the oneDNN packed weights (freed with the block) are done with:
+    cache = logits = None  # the eager KV cache and the oneDNN packed weights (freed with the block) are done with:
     _release_free_heap()  # hand their memory back to the system before the training passes allocate theirs
     if settings.stop_strings:
         _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)
@@ -335,6 +360,7 @@ def _check(settings: SamplingSettings) -> None:
         raise GcfError(f"temperature must be > 0 and finite (got {settings.temperature}); set greedy: true for argmax decoding.")
     if not 0 < settings.top_p <= 1:
         raise GcfError(f"top_p must be in (0, 1] (got {settings.top_p}); use 1 to switch nucleus sampling off.")
+    decode.mode_ok(settings.compile)
     if settings.max_new_tokens < 1 or settings.top_k < 0:
         raise GcfError("max_new_tokens must be >= 1 and top_k >= 0 (0 switches top-k off).")
 

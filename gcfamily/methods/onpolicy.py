@@ -64,7 +64,7 @@ class OnPolicy(Method):
         self.warned_reward = False
         self.sampling = SamplingSettings(
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop_strings),
+            max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop_strings), compile=cfg.rollout_compile,
         )
 
     def build_reward_fn(self) -> Rewards:

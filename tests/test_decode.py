@@ -1,0 +1,113 @@
+"""The compiled fixed-shape decode step (gcfamily.decode) against the eager rollout and `model.generate`.
+
+Compiled with the real inductor backend on the CPU (`rollout_compile: on`); on CUDA `auto` takes the same path
+with CUDA graphs (tests marked gpu).
+"""
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from gcfamily import decode
+from gcfamily.errors import GcfError
+from gcfamily.rollout import Rollout, SamplingSettings, generate
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,+-=?!:;()[]<>/*#$%&@^_~"
+PAD, EOS = 0, 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in ["what is 2+3?", "hi", "12*4=", "say abc then stop."]]
+
+
+def run(model, tokenizer, prompts, compile, G=4, seed=0, eos=(EOS,), **kw) -> Rollout:
+    settings = SamplingSettings(**{"max_new_tokens": 24, "compile": compile, **kw})
+    return generate(model, tokenizer, prompts, G, settings, torch.Generator().manual_seed(seed), list(eos))
+
+
+def test_buckets_and_refusals(model):
+    assert decode.buckets(64) == [64, 32, 16, 8, 4, 2]
+    assert decode.buckets(48) == [48, 32, 16, 8, 4, 2] and decode.buckets(1) == [2] and decode.buckets(3) == [3, 2]
+    assert decode.wanted(model, "on") and not decode.wanted(model, "off") and not decode.wanted(model, "auto")  # CPU
+    with pytest.raises(GcfError, match="rollout_compile must be one of auto, on, off"):
+        decode.mode_ok("yes")
+    eager = LlamaForCausalLM(model.config.__class__(**{**model.config.to_dict(), "attn_implementation": "eager"}))
+    assert "not sdpa" in decode.why_not(eager)
+
+
+def test_greedy_compiled_equals_hf_generate(model, tokenizer, prompts):
+    # Several EOS ids, so rows end at different steps and the batch moves down through buckets 8 -> 4 -> 2.
+    eos = [EOS, 5, 9, 12, 20, 38]
+    ro = run(model, tokenizer, prompts, "on", G=2, eos=eos, greedy=True)
+    tokenizer.padding_side = "left"
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    ref = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD)
+    P = enc["input_ids"].shape[1]
+    ref = ref[:, P:].repeat_interleave(2, 0)
+    C = ro.input_ids.shape[1] - P
+    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+    assert sorted(set(ro.completion_lengths.tolist())) == [3, 7, 15, 23]  # 8 rows, then 4, then 2: three buckets
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_sampled_compiled_equals_eager_for_the_same_seed(model, tokenizer, prompts, kw):
+    # One uniform per result row at every step: the tokens depend on the seed, not on which rows share a step.
+    eos = (EOS, 5, 9)
+    a = run(model, tokenizer, prompts, "off", G=8, eos=eos, **kw)
+    b = run(model, tokenizer, prompts, "on", G=8, eos=eos, **kw)
+    assert a.truncated.any() and (~a.truncated).any()
+    assert torch.equal(a.input_ids, b.input_ids) and a.completions == b.completions
+    m = a.completion_mask.bool()
+    assert (a.sample_logps[m] - b.sample_logps[m]).abs().max() < 1e-5
+
+
+def test_compiled_sampling_draws_from_the_models_distribution(tokenizer):
+    # A one-token vocabulary of 6 after a fixed prompt: the first sampled token's frequencies against softmax.
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS)
+    cfg._attn_implementation = "sdpa"
+    small = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        small.lm_head.weight.mul_(8)  # a peaked distribution, but no token rarer than 1e-3
+    prompt = [[2, 3, 4]]
+    n = 2048
+    ro = generate(small, tokenizer, prompt, n, SamplingSettings(max_new_tokens=2, compile="on"),
+                  torch.Generator().manual_seed(0), [EOS])
+    P = 3
+    with torch.no_grad():
+        p = torch.softmax(small(input_ids=torch.tensor(prompt)).logits[0, -1], -1)
+    freq = torch.bincount(ro.input_ids[:, P], minlength=6).float() / n
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-3).all()
+
+
+def test_decoder_is_compiled_once_and_reused(model, tokenizer, prompts):
+    from torch._dynamo.utils import counters
+
+    run(model, tokenizer, prompts, "on", G=4, eos=(EOS, 5, 9))
+    before = counters["stats"]["unique_graphs"]
+    for seed in (1, 2):  # other bucket sequences, same buffers and graph
+        run(model, tokenizer, prompts, "on", G=4, seed=seed, eos=(EOS, 5, 9))
+    assert counters["stats"]["unique_graphs"] == before
+    kept = decode._DECODERS[model]
+    assert len(kept) <= decode._KEEP and all(d.slots % decode.SLOT_ROUND == 0 for d in kept.values())
