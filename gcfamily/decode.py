@@ -38,6 +38,7 @@ SLOT_ROUND = 64  # slot counts are rounded up to this, so prompts of similar len
 _KEEP = 2  # decoders kept per model (training rollouts and evaluation use different row counts)
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticDecoder]] = weakref.WeakKeyDictionary()
 MODES = ("auto", "on", "off")
+_COMPILED: dict = {}  # torch.compile's mode -> the compiled step (graphs are kept per model and shape by dynamo)
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -119,11 +120,18 @@ def decoder(model: torch.nn.Module, rows: int, slots: int) -> StaticDecoder:
     return kept[key]
 
 
+def _one_token(model: torch.nn.Module, cache: Cache, cache_kw: str, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The compiled step: logits [b, V] of the next token after ids [b, 1] at positions pos [b, 1], attending where mask [b, 1, 1, S]."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    return out.logits[:, -1]
+
+
 class StaticDecoder:
     """Fixed KV buffers for `rows` rows and `slots` positions, and the compiled one-token step over them."""
 
     def __init__(self, model: torch.nn.Module, rows: int, slots: int):
-        self.model, self.rows, self.slots = model, max(rows, 2), slots
+        # The model is not held here (a decoder is kept per model in a WeakKeyDictionary; holding it would keep it alive)
+        self.rows, self.slots = max(rows, 2), slots
         self.sizes = buckets(rows)
         self.device = model.device
         self.cuda = self.device.type == "cuda"
@@ -139,12 +147,10 @@ class StaticDecoder:
 
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.compiled = torch.compile(self._step, mode="reduce-overhead" if self.cuda else None)
-
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: self.cache})
-        return out.logits[:, -1]  # [b, V]
+        mode = "reduce-overhead" if self.cuda else None
+        if mode not in _COMPILED:
+            _COMPILED[mode] = torch.compile(_one_token, mode=mode)
+        self.compiled = _COMPILED[mode]
 
     def load(self, prefill: Cache, G: int, prompt_mask: torch.Tensor) -> None:
         """Take the prefilled KV cache of n prompts (each row repeated G times) into slots [0, P); every later slot is closed."""
@@ -194,7 +200,7 @@ class StaticDecoder:
         self.size = self.bucket(n)
         self._views()
 
-    def step(self, tok: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
+    def step(self, model: torch.nn.Module, tok: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
         """Logits [len(tok), V] for the next token of the first len(tok) rows, which feed `tok` at positions `pos` into `slot`."""
         A, b = len(tok), self.size
         self.ids[:A, 0], self.pos[:A, 0] = tok, pos
@@ -203,5 +209,5 @@ class StaticDecoder:
         ids, position, mask = self.ids[:b], self.pos[:b], self.mask[:b]
         for t in (ids, position, mask):
             torch._dynamo.mark_dynamic(t, 0)
-        logits = self.compiled(ids, position, mask)
+        logits = self.compiled(model, self.cache, self.cache_kw, ids, position, mask)
         return logits[:A].clone() if self.cuda else logits[:A]  # a graph's output is overwritten by its next replay

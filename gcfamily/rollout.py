@@ -316,7 +316,7 @@ def generate(
                 active, tok, next_pos = active[live], tok[live], next_pos[live]
                 len_a, ended_a = len_a[live], ended_a[live]
             if static:
-                logits = dec.step(tok, next_pos, P + t)
+                logits = dec.step(model, tok, next_pos, P + t)
             else:
                 logits = step(tok[:, None], mask[:, : P + t + 1], next_pos[:, None])
             next_pos = next_pos + 1
