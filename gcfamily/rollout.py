@@ -322,13 +322,13 @@ def generate(
             next_pos = next_pos + 1
     lengths[active], ended[active] = len_a, ended_a
     cache = logits = None  # the eager KV cache and the oneDNN packed weights (freed with the block) are done with:
-    _release_free_heap()  # hand their memory back to the system before the training passes allocate theirs
+    release_free_heap()  # hand their memory back to the system before the training passes allocate theirs
     if settings.stop_strings:
         _cut_at_stops(tokenizer, tokens, lengths, ended, settings.stop_strings)
     return _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, pad_id, settings.stop_strings)
 
 
-def _release_free_heap() -> None:
+def release_free_heap() -> None:
     """glibc's malloc_trim(0): return the heap's free pages to the system (Linux; elsewhere a no-op).
 
     The packed weights and KV-cache buffers a rollout frees are small blocks in malloc's heap, which
