@@ -26,6 +26,7 @@ step compiled against 406 eager), so `rollout_compile: auto` compiles on CUDA on
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -38,6 +39,7 @@ SLOT_ROUND = 64  # slot counts are rounded up to this, so prompts of similar len
 _KEEP = 2  # decoders kept per model (training rollouts and evaluation use different row counts)
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticDecoder]] = weakref.WeakKeyDictionary()
 MODES = ("auto", "on", "off")
+_FAILED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose compilation failed under auto
 _COMPILED: dict = {}  # torch.compile's mode -> the compiled step (graphs are kept per model and shape by dynamo)
 
 
@@ -92,9 +94,22 @@ def why_not(model: torch.nn.Module) -> str | None:
 
 def wanted(model: torch.nn.Module, mode: str) -> bool:
     """Whether the rollout should decode through the compiled static step: `on`, or `auto` on CUDA; and the model allows it."""
-    if mode == "off" or (mode == "auto" and model.device.type != "cuda"):
+    if mode == "off" or (mode == "auto" and model.device.type != "cuda") or model in _FAILED:
         return False
     return why_not(model) is None
+
+
+def compile_failed(error: BaseException, model: torch.nn.Module, mode: str) -> bool:
+    """Whether `error` is torch.compile's own (then, under auto, this model decodes eagerly from now on, said once)."""
+    if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        return False
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    if mode == "on":
+        raise GcfError(f"rollout_compile=on, but compiling the decode step failed ({type(error).__name__}: {first}); "
+                       "set rollout_compile=off (or auto, which falls back to eager decoding).") from error
+    _FAILED.add(model)
+    print(f"[gcf] compiling the decode step failed ({type(error).__name__}: {first}); decoding eagerly (exact, slower).", file=sys.stderr)
+    return True
 
 
 def buckets(rows: int) -> list[int]:

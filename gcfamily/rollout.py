@@ -253,9 +253,22 @@ def generate(
         raise GcfError(f"A prompt of {P} tokens plus max_new_tokens={C} needs {P + C} positions, past the model's context of {limit} "
                        f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more).")
     prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
+    static = decode.wanted(model, settings.compile)
+    if static:
+        try:
+            return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt, prompt_mask, G, True)
+        except Exception as e:  # noqa: BLE001 - only torch.compile's own failures are caught; the rest re-raise
+            if not decode.compile_failed(e, model, settings.compile):
+                raise
+    return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt, prompt_mask, G, False)
+
+
+def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.Tensor, pad_id: int, prompt: torch.Tensor,
+            prompt_mask: torch.Tensor, G: int, static: bool) -> Rollout:
+    """The rollout loop: prefill, then one token a step, eagerly or through the compiled fixed-shape step."""
+    device, C = model.device, settings.max_new_tokens
     n, P = prompt.shape
     N = n * G
-    static = decode.wanted(model, settings.compile)
     cache = _make_cache(model, P if static else P + C)
     cache_kw, takes_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if takes_keep else {}

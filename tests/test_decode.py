@@ -160,3 +160,20 @@ def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
     del m
     gc.collect()
     assert ref() is None
+
+
+def test_a_compile_failure_is_one_sentence_under_on_and_eager_decoding_under_auto(model, tokenizer, prompts, monkeypatch, capsys):
+    def broken(self, *a, **k):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
+
+    monkeypatch.setattr(decode.StaticDecoder, "step", broken)
+    with pytest.raises(GcfError, match="rollout_compile=on, but compiling the decode step failed .*no C.. compiler found.*rollout_compile=off"):
+        run(model, tokenizer, prompts, "on", G=2)
+    with pytest.raises(ValueError):  # any other error is not swallowed
+        monkeypatch.setattr(decode.StaticDecoder, "step", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+        run(model, tokenizer, prompts, "on", G=2)
+    other = LlamaForCausalLM(model.config)
+    assert decode.compile_failed(torch._dynamo.exc.TorchDynamoException("x"), other, "auto")
+    assert "decoding eagerly" in capsys.readouterr().err
+    assert not decode.wanted(other, "on")  # this model decodes eagerly from now on
+    assert not decode.compile_failed(ValueError("x"), other, "auto")
