@@ -294,7 +294,7 @@ class Trainer:
         scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
         sums: dict[str, float] = {}
         n_tok = 0
-        loss_total = 0.0
+        done = []  # per micro-batch, what its metrics need; read after every backward is queued (no host sync in between)
         for i, mb in enumerate(mbs):
             mb = to_device(mb, self.device)
             sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
@@ -306,19 +306,20 @@ class Trainer:
                 if "force_nan_step" in mb and mb["force_nan_step"]:
                     loss = loss * float("nan")  # test hook: a forced non-finite loss
                 (loss * scale).backward()
-            loss_total += float(loss.detach())
+            with self.autocast():
+                m_aux = m.auxiliary_step(mb)
+            done.append((mb, out.logps.detach(), out.entropy.detach(), coef.detach(), loss.detach(), m_aux))
+            if self.device.type == "cpu":  # this micro-batch's activations are freed: hand their pages back before the
+                del out, coef, loss  # next one, of another length, allocates its own (SmolLM2-135M LoRA GRPO peak RSS
+                release_free_heap()  # 2,477 -> 2,255 MB, benchmarks/results-memory-cpu.txt); only free memory goes
+        loss_total = float(torch.stack([d[4].double() for d in done]).sum()) if done else 0.0  # the step's first host sync
+        for mb, logps, entropy, coef, _, m_aux in done:
             mask = engine.effective_mask(mb)
             k = int(mask.sum())
             n_tok += k
-            for key, v in {**gc_stats(coef, mask), "entropy": float((out.entropy * mask).sum()) / max(k, 1), **m.metrics(mb, out.logps.detach(), coef)}.items():
-                sums[key] = sums.get(key, 0.0) + v * max(k, 1)
-            with self.autocast():
-                m_aux = m.auxiliary_step(mb)
-            for key, v in m_aux.items():
-                sums[key] = sums.get(key, 0.0) + v * max(k, 1)
-            if self.device.type == "cpu":  # this micro-batch's activations are freed: hand their pages back before the
-                del out, coef, loss, mb  # next one, of another length, allocates its own (LoRA peak RSS 2,477 -> see
-                release_free_heap()  # benchmarks/results-memory-cpu.txt); only free memory goes, no value changes
+            for stats in ({**gc_stats(coef, mask), "entropy": float((entropy * mask).sum()) / max(k, 1), **m.metrics(mb, logps, coef)}, m_aux):
+                for key, v in stats.items():
+                    sums[key] = sums.get(key, 0.0) + v * max(k, 1)
         weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
         if self.dist is not None:
             self.dist.average_method_grads(m)  # a second model the method trains stays equal on every rank
