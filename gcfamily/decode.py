@@ -202,8 +202,15 @@ class StaticDecoder:
         assert self.cache is not None
         for i, layer in enumerate(self.cache.layers):
             layer.keys, layer.values = self.keys[i][:b], self.values[i][:b]
-            torch._dynamo.mark_dynamic(layer.keys, 0)
-            torch._dynamo.mark_dynamic(layer.values, 0)
+            self._mark(layer.keys, layer.values)
+
+    def _mark(self, *views: torch.Tensor) -> None:
+        """Batch dimension dynamic (one trace for every bucket); on CUDA, fixed addresses, so a captured graph reads and
+        writes the buffers in place (a slice does not inherit its base's mark; unmarked, it would be copied in each replay)."""
+        for t in views:
+            torch._dynamo.mark_dynamic(t, 0)
+            if self.cuda:
+                torch._dynamo.mark_static_address(t, guard=False)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the current bucket, in order) at the front, and run at the smallest bucket holding them."""
@@ -222,7 +229,6 @@ class StaticDecoder:
         self.slot.fill_(slot)
         self.mask[:, 0, 0, slot] = True
         ids, position, mask = self.ids[:b], self.pos[:b], self.mask[:b]
-        for t in (ids, position, mask):
-            torch._dynamo.mark_dynamic(t, 0)
+        self._mark(ids, position, mask)
         logits = self.compiled(model, self.cache, self.cache_kw, ids, position, mask)
         return logits[:A].clone() if self.cuda else logits[:A]  # a graph's output is overwritten by its next replay

@@ -104,6 +104,19 @@ class _GrowingLayer(DynamicLayer):
         self.batch_select_indices(torch.arange(self.k_buf.shape[0], device=self.device).repeat_interleave(repeats))
 
 
+_SHARE_MIN = 8  # a common prompt prefix shorter than this is prefilled with the rest of each prompt
+
+
+def _shared_prefix(prompt_ids: list[list[int]]) -> int:
+    """How many leading tokens every prompt has in common, leaving each at least one of its own; 0 if under _SHARE_MIN or one prompt."""
+    if len(prompt_ids) < 2:
+        return 0
+    first, c = prompt_ids[0], min(len(p) for p in prompt_ids) - 1
+    for p in prompt_ids[1:]:
+        c = next((k for k in range(c) if p[k] != first[k]), c)
+    return c if c >= _SHARE_MIN else 0
+
+
 def _make_cache(model, capacity: int) -> Cache:
     """Growing preallocated layers when every layer is plain full attention, else HF's DynamicCache."""
     config = model.config.get_text_config(decoder=True)
@@ -256,16 +269,22 @@ def generate(
     static = decode.wanted(model, settings.compile)
     if static:
         try:
-            return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt, prompt_mask, G, True)
+            return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt_ids, prompt, prompt_mask, G, True)
         except Exception as e:  # noqa: BLE001 - only torch.compile's own failures are caught; the rest re-raise
             if not decode.compile_failed(e, model, settings.compile):
                 raise
-    return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt, prompt_mask, G, False)
+    return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt_ids, prompt, prompt_mask, G, False)
 
 
-def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.Tensor, pad_id: int, prompt: torch.Tensor,
-            prompt_mask: torch.Tensor, G: int, static: bool) -> Rollout:
-    """The rollout loop: prefill, then one token a step, eagerly or through the compiled fixed-shape step."""
+def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.Tensor, pad_id: int, prompt_ids: list[list[int]],
+            prompt: torch.Tensor, prompt_mask: torch.Tensor, G: int, static: bool) -> Rollout:
+    """The rollout loop: prefill, then one token a step, eagerly or through the compiled fixed-shape step.
+
+    The KV cache's prompt columns are the prompts left-padded, or, where they share a prefix of at
+    least _SHARE_MIN tokens, that prefix (computed once) followed by the rest of each prompt
+    left-padded. Padding columns are masked and positions count real tokens only, so each token
+    attends to the same tokens at the same positions either way; the Rollout is laid out the same.
+    """
     device, C = model.device, settings.max_new_tokens
     n, P = prompt.shape
     N = n * G
@@ -280,16 +299,27 @@ def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.
     # CPU float32 eager decoding: oneDNN with weights packed once for the whole rollout (compiled code takes plain weights)
     with contextlib.nullcontext() if static else packed_linears(model, N):
         # Prefill each distinct prompt once, then copy its cache rows G times.
-        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
-        logits = step(prompt, prompt_mask, pos).repeat_interleave(G, 0)  # [N, V]
+        c = _shared_prefix(prompt_ids) if all(isinstance(layer, _GrowingLayer) for layer in getattr(cache, "layers", [None])) else 0
+        if c:  # the tokens every prompt starts with (a chat template's system turn) once, then each prompt's own after them
+            step(torch.tensor([prompt_ids[0][:c]], device=device), prompt_mask.new_ones(1, c), torch.arange(c, device=device)[None])
+            cache.batch_repeat_interleave(n)
+            rest, rest_mask = _left_pad([p[c:] for p in prompt_ids], pad_id, device)  # [n, P - c]
+            kv_mask = torch.cat([rest_mask.new_ones(n, c), rest_mask], 1)  # [n, P]: the KV columns, prefix then left-padded rests
+            pos = c + (rest_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P - c]: the same positions as in the whole prompt
+            logits = step(rest, kv_mask, pos)
+        else:
+            kv_mask = prompt_mask
+            pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P]; left padding shifts positions
+            logits = step(prompt, prompt_mask, pos)
+        logits = logits.repeat_interleave(G, 0)  # [N, V]
         next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
         if static:  # fixed slots and batch buckets, one compiled step (gcfamily.decode)
             dec = decode.decoder(model, N, P + C)
-            dec.load(cache, G, prompt_mask)
+            dec.load(cache, G, kv_mask)
             del cache
         else:
             cache.batch_repeat_interleave(G)
-            mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
+            mask = torch.cat([kv_mask, kv_mask.new_ones(n, C)], 1).repeat_interleave(G, 0)  # [N, P + C]
 
         tokens = torch.full((N, C), pad_id, dtype=torch.long, device=device)  # [N, C]
         logps = torch.zeros(N, C, dtype=torch.float32, device=device)  # [N, C]

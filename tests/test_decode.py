@@ -177,3 +177,13 @@ def test_a_compile_failure_is_one_sentence_under_on_and_eager_decoding_under_aut
     assert "decoding eagerly" in capsys.readouterr().err
     assert not decode.wanted(other, "on")  # this model decodes eagerly from now on
     assert not decode.compile_failed(ValueError("x"), other, "auto")
+
+
+def test_compiled_decoding_after_a_shared_prefix_prefill(model, tokenizer):
+    # The slots hold the prefix once-computed then each prompt's rest left-padded: same tokens as the eager rollout.
+    shared = [tokenizer(p)["input_ids"] for p in ["you are terse. q: what is 2+3?", "you are terse. q: hi", "you are terse. q: 12*4="]]
+    a = run(model, tokenizer, shared, "off", G=4, eos=(EOS, 5, 9), temperature=0.8)
+    b = run(model, tokenizer, shared, "on", G=4, eos=(EOS, 5, 9), temperature=0.8)
+    assert torch.equal(a.input_ids, b.input_ids)
+    m = a.completion_mask.bool()
+    assert (a.sample_logps[m] - b.sample_logps[m]).abs().max() < 1e-5

@@ -197,3 +197,35 @@ def test_cuda_rollout_matches_forward_and_is_seeded(model, tokenizer, prompts, d
         # bf16: the cached step and the full forward round differently; float32 agrees to float error.
         tol = 1e-4 if dtype == torch.float32 else 0.05
         assert (forward_logps(cuda, a, 0.7)[m] - a.sample_logps[m]).abs().mean() < tol
+
+
+SHARED = ["you are terse. q: what is 2+3?", "you are terse. q: hi", "you are terse. q: 12*4=", "you are terse. q: say abc then stop."]
+
+
+def test_shared_prefix_length():
+    from gcfamily.rollout import _SHARE_MIN, _shared_prefix
+
+    assert _shared_prefix([[1, 2, 3] * 5, [1, 2, 3] * 5 + [9]]) == 14  # each prompt keeps at least one token of its own
+    assert _shared_prefix([[5] * 20]) == 0 and _shared_prefix([[1] * 20, [2] * 20]) == 0
+    assert _shared_prefix([[7] * (_SHARE_MIN - 1) + [1, 1], [7] * (_SHARE_MIN - 1) + [2, 2]]) == 0  # too short to bother
+
+
+def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_the_same(model, tokenizer):
+    # "you are terse. q: " (18 tokens) is computed once; greedy tokens must still equal HF's, and logps a fresh forward's.
+    import gcfamily.rollout as rollout
+
+    prompts = [tokenizer(p)["input_ids"] for p in SHARED]
+    assert rollout._shared_prefix(prompts) == 18
+    eos = [EOS, 5, 9, 12]
+    ro = run(model, tokenizer, prompts, G=2, eos=eos, greedy=True)
+    tokenizer.padding_side = "left"
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    ref = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD)
+    P = enc["input_ids"].shape[1]
+    ref = ref[:, P:].repeat_interleave(2, 0)
+    C = ro.input_ids.shape[1] - P
+    assert torch.equal(ro.input_ids[:, :P], enc["input_ids"].repeat_interleave(2, 0))  # the Rollout's layout is unchanged
+    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+    sampled = run(model, tokenizer, prompts, G=4, eos=eos, temperature=0.8)
+    m = sampled.completion_mask.bool()
+    assert (forward_logps(model, sampled, 0.8)[m] - sampled.sample_logps[m]).abs().max() < 1e-5
