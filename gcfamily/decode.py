@@ -125,7 +125,9 @@ def decoder(model: torch.nn.Module, rows: int, slots: int) -> StaticDecoder:
     """The model's decoder for `rows` rows and at least `slots` slots (kept between rollouts: graphs and buffers are reused)."""
     slots = -(-slots // SLOT_ROUND) * SLOT_ROUND
     kept = _DECODERS.setdefault(model, {})
-    key = (rows, slots, model.dtype, model.device)
+    dev = model.device.type
+    compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.dtype  # the KV cache's dtype
+    key = (rows, slots, compute, model.device)
     if key not in kept:
         while len(kept) >= _KEEP:
             kept.pop(next(iter(kept)))

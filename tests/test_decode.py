@@ -187,3 +187,12 @@ def test_compiled_decoding_after_a_shared_prefix_prefill(model, tokenizer):
     assert torch.equal(a.input_ids, b.input_ids)
     m = a.completion_mask.bool()
     assert (a.sample_logps[m] - b.sample_logps[m]).abs().max() < 1e-5
+
+
+def test_decoders_are_kept_per_compute_dtype(model):
+    # Under autocast the KV cache is bf16: a float32 decoder's buffers must not be reused for it (nor the other way).
+    plain = decode.decoder(model, 8, 40)
+    with torch.autocast("cpu", torch.bfloat16):
+        mixed = decode.decoder(model, 8, 40)
+    assert mixed is not plain and decode.decoder(model, 8, 40) is plain
+    assert {k[2] for k in decode._DECODERS[model]} == {torch.bfloat16, torch.float32}
