@@ -152,17 +152,26 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     share_prefix: bool = True,
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> TokenLogprobs:
     """Log-probs of the taken tokens, computed only where loss_mask is on and in chunks.
 
     The backbone runs once over the (trimmed) sequences; the output layer is applied chunk
     by chunk to the hidden states of the masked positions only, so memory for the logits is
     bounded by chunk_size x V rather than B x T x V. `model` is a causal LM or a (DDP- or
-    FSDP2-wrapped) LogprobModel, whose forward is this same computation.
+    FSDP2-wrapped) LogprobModel, whose forward is this same computation. `host`, CPU copies of
+    (input_ids, attention_mask, loss_mask), lets the packing layout and the loss-token indices be
+    worked out without reading the device's tensors back (no host sync on a GPU); without it they
+    are copied to the CPU here.
     """
     if isinstance(getattr(model, "module", model), LogprobModel):
-        return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix))
-    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix))
+        return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host))
+    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host))
+
+
+def host_copies(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three tensors on the CPU (the same objects there already)."""
+    return input_ids.cpu(), attention_mask.cpu(), loss_mask.cpu()
 
 
 class LogprobModel(nn.Module):
@@ -178,36 +187,44 @@ class LogprobModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                temperature: float = 1.0, chunk_size: int = 256, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix)
-        if not bool(loss_mask[:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
+                temperature: float = 1.0, chunk_size: int = 256, share_prefix: bool = True,
+                host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        host = host if host is not None else host_copies(input_ids, attention_mask, loss_mask)
+        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host)
+        if not bool(host[2][:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
             logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
         return logps, entropy
 
 
 def _token_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int,
-    share_prefix: bool = True,
+    share_prefix: bool = True, host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
+    device = input_ids.device
+    host = host if host is not None else host_copies(input_ids, attention_mask, loss_mask)
     backbone, head = model_parts(model)
-    hidden, S = backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix)  # [B, L - S, H]
-    # the hidden state at t-1 predicts the token at t; columns before S predict no loss token
-    pred_mask = loss_mask[:, 1:].bool()  # [B, L-1]
-    h = hidden[:, :-1][pred_mask[:, S:]]  # [N, H]
-    targets = input_ids[:, 1:][pred_mask]  # [N]
-    logps = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
-    entropy = torch.zeros(B, L, dtype=torch.float32, device=input_ids.device)  # [B, L]
-    if h.shape[0] == 0:
+    hidden, S = backbone_hidden(backbone, input_ids, attention_mask, loss_mask, share_prefix, host)  # [B, L - S, H]
+    # the hidden state at t-1 predicts the token at t; columns before S predict no loss token. The loss tokens'
+    # flat indices come from the host copy of the mask, so no shape here depends on reading the device back.
+    pred_host = host[2][:, 1:].bool()  # [B, L-1]
+    at = pred_host.reshape(-1).nonzero()[:, 0].to(device, non_blocking=True)  # [N] into [B * (L-1)]
+    bt = pred_host[:, S:].nonzero()  # [N, 2], the same tokens in the same (row-major) order: none lies before S
+    at_h = (bt[:, 0] * (L - S) + bt[:, 1]).to(device, non_blocking=True)  # [N] into hidden's [B * (L-S)] rows
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at_h)  # [N, H]
+    targets = input_ids[:, 1:].reshape(-1).index_select(0, at)  # [N]
+    logps = torch.zeros(B, L, dtype=torch.float32, device=device)  # [B, L]
+    entropy = torch.zeros(B, L, dtype=torch.float32, device=device)  # [B, L]
+    if len(at) == 0:
         return logps + 0.0 * hidden.sum(), entropy
     # entropy is a training metric: passes without gradients (pi_old, the reference) skip it and get zeros
     dev = h.device.type  # under autocast the output layer's products take its dtype too
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)  # Gemma 2
     lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled(), compute, softcap)
-    full = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device).masked_scatter(pred_mask, lp)
+    full = torch.zeros(B * (L - 1), dtype=torch.float32, device=device).index_copy(0, at, lp).view(B, L - 1)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
-    entropy[:, 1:][pred_mask] = ent
+    entropy[:, 1:] = torch.zeros(B * (L - 1), dtype=torch.float32, device=device).index_copy(0, at, ent.float()).view(B, L - 1)
     return logps, entropy
 
 

@@ -75,12 +75,15 @@ class Packing:
     S: int  # original columns before S are not needed (they are only a shared prefix)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, share_prefix: bool = True) -> Packing | None:
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, share_prefix: bool = True,
+              device: torch.device | None = None) -> Packing | None:
     """Pack a micro-batch: a prefix that rows share (`shared_prefix`) once per packed row, then each
     row's own tokens end to end, first fit into rows of up to PACK_LENGTH tokens (a group's rows
-    only with that group's prefix). None when there is nothing to share and no two rows fit in one."""
+    only with that group's prefix). None when there is nothing to share and no two rows fit in one.
+    The layout is worked out on the CPU (give CPU tensors to read nothing back from a GPU) and its
+    tensors are sent to `device` (default the inputs' device) without waiting for them."""
     B, L = input_ids.shape
-    device = input_ids.device
+    device = device if device is not None else input_ids.device
     # the layout is worked out on the CPU (a few small ops per row) and moved to the device once
     input_ids, attention_mask, loss_mask = input_ids.cpu(), attention_mask.cpu(), loss_mask.cpu()
     dev = input_ids.device
@@ -135,7 +138,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     i, j = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
     same = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == -1)  # [R, T(q), T(k)]
     allowed = (same & preal[:, None, :] & (j <= i)) | (i == j)  # every query sees itself: no all-masked row
-    return Packing(ids.to(device), ppos.to(device), allowed[:, None].to(device), source.to(device), S)
+    send = {"device": device, "non_blocking": True}  # no wait for the device: the copies queue behind its work
+    return Packing(ids.to(**send), ppos.to(**send), allowed[:, None].to(**send), source.to(**send), S)
 
 
 PACKED_ATTENTION = ("sdpa", "eager")
@@ -143,7 +147,7 @@ PACKED_ATTENTION = ("sdpa", "eager")
 
 
 def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     share_prefix: bool) -> tuple[torch.Tensor, int]:
+                     share_prefix: bool, host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """Hidden states [B, L - S, H] of the original columns S.. (S > 0 only past a shared prefix).
 
     Packed (`pack_rows`), the backbone runs once over every real token of the micro-batch and over
@@ -158,7 +162,8 @@ def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask
     impl = getattr(config, "_attn_implementation", None)
     att = families.attention(config) if config is not None else None  # refuses a model no pass makes exact
     packable = impl in PACKED_ATTENTION and att is not None and att.packable
-    packing = pack_rows(input_ids, attention_mask, loss_mask, share_prefix) if packable else None
+    src = host if host is not None else (input_ids, attention_mask, loss_mask)  # CPU copies: the layout reads nothing back
+    packing = pack_rows(*src, share_prefix, device=input_ids.device) if packable else None
     if packing is None:
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0

@@ -30,6 +30,8 @@ from gcfamily.methods.base import Batch, Method, gc_stats
 from gcfamily.models import load_model
 from gcfamily.rollout import release_free_heap
 
+_HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
+
 
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda when available, else cpu."""
@@ -287,20 +289,25 @@ class Trainer:
     def optimizer_step(self, batch: Batch) -> dict[str, float]:
         """Micro-batched weighted backward over `batch`, then clip and step; skips non-finite steps."""
         m, cfg = self.method, self.cfg
-        mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
         if not m.trains_policy:
-            return self.auxiliary_only_step(mbs)
+            return self.auxiliary_only_step(split_batch(batch, cfg.micro_batch_size, m.rows_per_example))
+        # CPU copies of the ids and masks, read back once a step and split with the batch: each micro-batch's packing layout
+        # and loss-token indices are worked out from them, so nothing in the loop below waits on the device
+        batch = {**batch, **{f"host_{k}": batch[k].cpu() for k in _HOST}}
+        mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
         Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
         scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
         sums: dict[str, float] = {}
         n_tok = 0
         done = []  # per micro-batch, what its metrics need; read after every backward is queued (no host sync in between)
         for i, mb in enumerate(mbs):
+            host = tuple(mb.pop(f"host_{k}") for k in _HOST)
             mb = to_device(mb, self.device)
             sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(), cfg.chunk_size, cfg.share_prefix)
+                    out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(),
+                                                cfg.chunk_size, cfg.share_prefix, host)
                     coef = m.coefficient(mb, out.logps.detach())  # [B, L]
                     loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
                 if "force_nan_step" in mb and mb["force_nan_step"]:
@@ -320,7 +327,7 @@ class Trainer:
             for stats in ({**gc_stats(coef, mask), "entropy": float((entropy * mask).sum()) / max(k, 1), **m.metrics(mb, logps, coef)}, m_aux):
                 for key, v in stats.items():
                     sums[key] = sums.get(key, 0.0) + v * max(k, 1)
-        weight = sum(max(int(engine.effective_mask(mb).sum()), 1) for mb in mbs)
+        weight = sum(max(int(engine.effective_mask(d[0]).sum()), 1) for d in done)
         if self.dist is not None:
             self.dist.average_method_grads(m)  # a second model the method trains stays equal on every rank
         metrics = {k: v / weight for k, v in sums.items()}
