@@ -240,3 +240,20 @@ def test_shared_prefix_of_right_padded_pairs():
     assert S == 9 and inverse[0] == inverse[1] and inverse[2] == inverse[3] and inverse[0] != inverse[2]
     a = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 4, True).logps
     assert torch.allclose(a, _naive_logps(model, batch), atol=1e-5)
+
+
+def test_host_copies_give_the_same_logprobs_and_gradient():
+    """The trainer hands CPU copies of ids and masks (so a GPU is never read back mid-micro-batch): bitwise the same result."""
+    model = tiny_model(50, seed=8)
+    batch = _grouped_batch(seed=11)
+    ids, am, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(12))
+    got = {}
+    for host in (None, (ids.clone(), am.clone(), lm.clone())):
+        model.zero_grad()
+        out = engine.token_logprobs(model, ids, am, lm, 1.0, 5, True, host)
+        (out.logps * w).sum().backward()
+        got[host is None] = (out.logps.detach(), out.entropy, [p.grad.clone() for p in model.parameters()])
+    (a, ea, ga), (b, eb, gb) = got[True], got[False]
+    assert torch.equal(a, b) and torch.equal(ea, eb) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    assert (a[lm.bool()[:, :]] != 0).any() and (a[~lm.bool()] == 0).all()
