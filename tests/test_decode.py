@@ -6,24 +6,13 @@ with CUDA graphs (tests marked gpu).
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from gcfamily import decode
 from gcfamily.errors import GcfError
 from gcfamily.rollout import Rollout, SamplingSettings, generate
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,+-=?!:;()[]<>/*#$%&@^_~"
-PAD, EOS = 0, 1
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+from test_rollout import EOS, PAD, assert_greedy_equals_hf, tokenizer  # noqa: F401  (tokenizer: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +48,7 @@ def test_greedy_compiled_equals_hf_generate(model, tokenizer, prompts):
     # Several EOS ids, so rows end at different steps and the batch moves down through buckets 8 -> 4 -> 2.
     eos = [EOS, 5, 9, 12, 20, 38]
     ro = run(model, tokenizer, prompts, "on", G=2, eos=eos, greedy=True)
-    tokenizer.padding_side = "left"
-    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    ref = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD)
-    P = enc["input_ids"].shape[1]
-    ref = ref[:, P:].repeat_interleave(2, 0)
-    C = ro.input_ids.shape[1] - P
-    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+    assert_greedy_equals_hf(ro, model, tokenizer, prompts, eos)
     assert sorted(set(ro.completion_lengths.tolist())) == [3, 7, 15, 23]  # 8 rows, then 4, then 2: three buckets
 
 

@@ -65,17 +65,28 @@ def test_same_seed_same_rollout_other_seed_differs(model, tokenizer, prompts):
     assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
 
 
+def hf_greedy(model, tokenizer, prompts, eos, G=2, max_new_tokens=24) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF generate's greedy completions [N, max_new_tokens] for the prompts, each repeated G times, and the left-padded prompts."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    ref = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=PAD)
+    P = enc["input_ids"].shape[1]
+    return ref[:, P:].repeat_interleave(G, 0), enc["input_ids"].repeat_interleave(G, 0)
+
+
+def assert_greedy_equals_hf(ro: Rollout, model, tokenizer, prompts, eos, G=2) -> None:
+    ref, prompt = hf_greedy(model, tokenizer, prompts, eos, G)
+    P = prompt.shape[1]
+    C = ro.input_ids.shape[1] - P
+    assert torch.equal(ro.input_ids[:, :P], prompt)  # prompts left-padded, as HF lays them out
+    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+
+
 def test_greedy_matches_hf_generate(model, tokenizer, prompts):
     # Several EOS ids so rows end at different steps and get dropped from the batch, which HF never does.
     eos = [EOS, 5, 9, 12]
     ro = run(model, tokenizer, prompts, G=2, eos=eos, greedy=True)
-    tokenizer.padding_side = "left"
-    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    ref = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD)
-    P = enc["input_ids"].shape[1]
-    ref = ref[:, P:].repeat_interleave(2, 0)  # [N, 24]
-    C = ro.input_ids.shape[1] - P
-    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+    assert_greedy_equals_hf(ro, model, tokenizer, prompts, eos)
     assert len(set(ro.completion_lengths.tolist())) > 1
     # Greedy log-probs are at temperature 1.
     m = ro.completion_mask.bool()
@@ -218,14 +229,7 @@ def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_the_same(model,
     assert rollout._shared_prefix(prompts) == 18
     eos = [EOS, 5, 9, 12]
     ro = run(model, tokenizer, prompts, G=2, eos=eos, greedy=True)
-    tokenizer.padding_side = "left"
-    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    ref = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=PAD)
-    P = enc["input_ids"].shape[1]
-    ref = ref[:, P:].repeat_interleave(2, 0)
-    C = ro.input_ids.shape[1] - P
-    assert torch.equal(ro.input_ids[:, :P], enc["input_ids"].repeat_interleave(2, 0))  # the Rollout's layout is unchanged
-    assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
+    assert_greedy_equals_hf(ro, model, tokenizer, prompts, eos)  # the Rollout's layout is unchanged too
     sampled = run(model, tokenizer, prompts, G=4, eos=eos, temperature=0.8)
     m = sampled.completion_mask.bool()
     assert (forward_logps(model, sampled, 0.8)[m] - sampled.sample_logps[m]).abs().max() < 1e-5
