@@ -307,7 +307,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
     m, tok = load_model(model, resolve_dtype("auto", dev), dev)
     t0 = time.time()
     acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
-    n = len(t.rows("test", samples))
+    n = len(t.heldout_rows(samples))
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
 
 

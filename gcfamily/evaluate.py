@@ -17,7 +17,7 @@ from gcfamily.formats import Formatter, encode
 
 @torch.no_grad()
 def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], reward: Any, max_new_tokens: int = 32,
-                  batch_size: int = 64, n: Optional[int] = None, accuracy: Optional[bool] = None,
+                  batch_size: int = 128, n: Optional[int] = None, accuracy: Optional[bool] = None,
                   details: Optional[list[dict[str, Any]]] = None) -> dict[str, float]:
     """eval/reward_mean, eval/reward_failed and eval/accuracy (with accuracy=None: where the rows carry an `answer`) over the first n rows.
 
@@ -51,10 +51,10 @@ def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], 
 
 
 @torch.no_grad()
-def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new_tokens: int = 32, batch_size: int = 64,
+def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new_tokens: int = 32, batch_size: int = 128,
                      formatter: Optional[Formatter] = None) -> float:
-    """Fraction of the first n test rows of a task whose greedy completion scores >= 1 under the task's reward."""
-    rows = task.rows("test", n)
+    """Fraction of the held-out prompts (the first n test rows, each prompt once) of a task whose greedy completion scores >= 1 under the task's reward."""
+    rows = task.heldout_rows(n)
     if not rows:
         return 0.0
     return evaluate_rows(model, formatter or Formatter(tokenizer), rows, task.reward, max_new_tokens, batch_size, accuracy=True)["eval/accuracy"]

@@ -482,9 +482,9 @@ class Trainer:
         with self.full_parameters(), self.autocast():
             if self.eval_dataset is not None:
                 out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
-            else:  # the task's held-out accuracy: the share of its first eval_samples test prompts scoring >= 1
+            else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
                 validation = bool(cfg.validation_rows)  # then the test split is never read
-                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.rows("test", cfg.eval_samples)
+                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.heldout_rows(cfg.eval_samples)
                 out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
                 out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
         unwrapped.train(was_training)

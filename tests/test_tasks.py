@@ -117,6 +117,19 @@ def test_mixed_arithmetic_takes_turns_and_cycles():
     assert len({r["prompt"] for r in big if r["level"] == "2d-add"}) == 200  # the big level keeps giving fresh problems
 
 
+def test_heldout_rows_hold_each_prompt_once_in_the_order_of_rows(tasks):
+    task = get_task("arithmetic")
+    big = task.rows("test", n=500)
+    held = task.heldout_rows(500)
+    prompts = [r["prompt"] for r in held]
+    assert len(prompts) == len(set(prompts)) == 205  # 19 + 19 one-digit problems (each cycled in rows) + 167 two-digit ones
+    assert held == [r for i, r in enumerate(big) if r["prompt"] not in {x["prompt"] for x in big[:i]}]
+    assert task.heldout_rows(64) == held[: len(task.heldout_rows(64))]  # a smaller n: a prefix of the same prompts
+    sorting = tasks["sorting"]
+    assert sorting.heldout_rows(5) == sorting.rows("test", 5)  # nothing repeats within a split: the rows themselves
+    assert len(sorting.heldout_rows(10**6)) == len(sorting.rows("test"))
+
+
 def test_n_cycles_deterministically(tasks):
     task = tasks["sorting"]
     test = task.rows("test")

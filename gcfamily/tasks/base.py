@@ -89,6 +89,16 @@ class Task:
         check_split(split, n)
         return take(self.split_rows(split), n)
 
+    def heldout_rows(self, n: int | None = None) -> list[dict]:
+        """The held-out prompts every evaluation uses: the first ``n`` test rows, each prompt once.
+
+        A split smaller than ``n`` cycles in ``rows``, and a mixed task cycles its small levels (arithmetic's
+        single-digit ones hold 19 test problems each), so ``n`` is an upper bound: a repeated prompt would add
+        no information and narrow every interval computed over the answers.
+        """
+        seen: set[str] = set()
+        return [r for r in self.rows("test", n) if not (r["prompt"] in seen or seen.add(r["prompt"]))]
+
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """The task's default reward function (TRL signature)."""
         raise NotImplementedError
