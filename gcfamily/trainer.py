@@ -7,21 +7,18 @@ dtype, the sampler's generator, the output folder; nothing is global.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import resource
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from gcfamily import checkpoint, distributed, engine, lora, precision, runfolder
+from gcfamily import engine, lora, precision, runfolder
 from gcfamily.config import Config, resolve_settings, to_dict, validate
 from gcfamily.data import split_batch, to_device
-from gcfamily.dataset import load_rows
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.formats import Formatter
 from gcfamily.logger import RunLogger
@@ -29,6 +26,9 @@ from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method, gc_stats
 from gcfamily.models import load_model
 from gcfamily.rollout import release_free_heap
+from gcfamily.trainer_eval import Evaluation
+from gcfamily.trainer_folder import RunFolder
+from gcfamily.trainer_save import Saving
 
 _HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
 
@@ -57,8 +57,9 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class Trainer:
-    """Owns the policy, its optimizer and the method; runs `max_steps` steps."""
+class Trainer(RunFolder, Evaluation, Saving):
+    """Owns the policy, its optimizer and the method; runs `max_steps` steps. Its run folder, rows and evaluations, and
+    saving are mixins of their own (gcfamily/trainer_folder.py, trainer_eval.py, trainer_save.py)."""
 
     def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None, *, method: Optional[type] = None,
                  model: Any = None, dataset: Any = None, eval_dataset: Any = None, rewards: Optional[list] = None) -> None:
@@ -142,118 +143,6 @@ class Trainer:
         self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
         if self.change is not None:
             self.logger.log(self.step, {"settings_changed": 1.0})
-
-    # ------------------------------------------------------------------ setup helpers
-    def _decide(self, fn: Callable[[], Any]) -> Any:
-        """fn() run once, on rank 0 under torch.distributed, its result (or its one-sentence error) on every rank."""
-        if self.dist is None:
-            return fn()
-        out, err = None, None
-        if self.is_main:
-            try:
-                out = fn()
-            except GcfError as e:
-                err = str(e)
-        out, err = self.dist.broadcast((out, err))
-        if err is not None:
-            raise GcfError(err)
-        return out
-
-    def _check_output_dir(self, resume: Optional[str]) -> Optional[Path]:
-        """The run folder as a transaction (runfolder.py): refuse a folder that would lose or mix work, take its lock,
-        clear a replaced run, check a resume's settings and choose its checkpoint (rank 0 chooses for all). Returns it."""
-        cfg, out = self.cfg, self.out_dir
-
-        def prepare() -> tuple[Optional[str], Optional[dict[str, Any]]]:
-            runfolder.check_target(out, cfg.model, resume, cfg.overwrite)
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise GcfError(f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir.") from e
-            runfolder.check_writable(out, 0)
-            runfolder.say(self.lock.acquire())
-            try:
-                return self._prepare_folder(resume)
-            except BaseException:
-                self.lock.release()
-                raise
-
-        path, self.change = self._decide(prepare)
-        return None if path is None else Path(path)
-
-    def _prepare_folder(self, resume: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """Rank 0, holding the lock: (the checkpoint to resume, the recorded change of settings)."""
-        cfg, out = self.cfg, self.out_dir
-        saved = json.loads((out / "run_config.json").read_text()) if (out / "run_config.json").is_file() else {}
-        path, change = None, None
-        if resume is None and cfg.overwrite:
-            removed = runfolder.clear_previous_run(out)
-            if removed:
-                print(f"note: --overwrite removed the previous contents of {out} ({', '.join(removed[:5])}{', ...' if len(removed) > 5 else ''}).", file=sys.stderr)
-        runfolder.clean_partial_checkpoints(out)
-        record = to_dict(cfg)
-        if resume is not None:
-            path = checkpoint.find(resume, out)
-            step = int(path.name[5:]) if path.name[5:].isdigit() else None
-            change = runfolder.check_resume(out, record, cfg.allow_changed_settings, step)
-            record["changes"] = (saved.get("changes") or []) + ([{"step": step, "changed": change["changed"]}] if change else [])
-            if step is not None:
-                runfolder.truncate_logs(out, step)
-        (out / "run_config.json").write_text(json.dumps(record, indent=2))
-        return (None if path is None else str(path)), change
-
-    def _check_room(self) -> None:
-        """Rank 0: the disk holds a checkpoint (the trained weights and AdamW's two moments, in the master dtype, plus 10%)."""
-        if not self.is_main:
-            return
-        params = self.policy.parameters()
-        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        weights = trained if lora.is_peft(self.policy) else sum(p.numel() * p.element_size() for p in self.policy.parameters())
-        runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1))
-
-    def _apply_changed_settings(self) -> None:
-        """allow_changed_settings: the resumed optimizer takes the new lr, schedule, weight decay and betas (the checkpoint holds the old)."""
-        cfg = self.cfg
-        total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
-        f = engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio)
-        groups = self.optimizer.param_groups
-        self.scheduler.base_lrs = [cfg.lr] * len(groups)
-        self.scheduler.lr_lambdas = [f] * len(groups)
-        for i, g in enumerate(groups):
-            g["initial_lr"], g["lr"], g["betas"] = cfg.lr, cfg.lr * f(self.scheduler.last_epoch), tuple(cfg.adam_betas)
-            if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
-                g["weight_decay"] = cfg.weight_decay
-        self.scheduler._last_lr = [g["lr"] for g in groups]
-
-    def training_rows(self) -> list[dict[str, Any]]:
-        """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
-        cfg = self.cfg
-        if self.dataset is not None:
-            return load_rows(self.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
-        if self.task is not None:
-            rows = self.method_cls.task_rows(self.task, cfg)
-            if cfg.validation_rows:  # the validation prompts never train
-                held = {str(r["prompt"]) for r in self.validation_rows()}
-                rows = [r for r in rows if str(r["prompt"]) not in held]
-                if not rows:
-                    raise GcfError(f"validation_rows={cfg.validation_rows} leaves no training rows of task {cfg.task}; lower it.")
-            return rows
-        raise GcfError(f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME.")
-
-    def validation_rows(self) -> list[dict[str, Any]]:
-        """The last validation_rows rows of the task's train split (never trained on when validation_rows > 0)."""
-        train = self.task.rows("train")
-        if self.cfg.validation_rows >= len(train):
-            raise GcfError(f"validation_rows={self.cfg.validation_rows} is not smaller than task {self.cfg.task}'s {len(train)} training rows; lower it.")
-        return train[len(train) - self.cfg.validation_rows:]
-
-    def _load_task(self) -> Any:
-        if self.cfg.task is None or self.dataset is not None:  # a dataset replaces the task: its accuracy is never reported
-            return None
-        from gcfamily.tasks import get_task
-
-        seed = self.cfg.seed if self.cfg.task_seed is None else self.cfg.task_seed
-        return get_task(self.cfg.task, seed=seed, **self.cfg.task_options)
 
     # ------------------------------------------------------------------ services for methods
     def reference(self) -> Any:
@@ -467,70 +356,11 @@ class Trainer:
         return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens)
                     or (cfg.max_flops and self.flops_seen >= cfg.max_flops))
 
-    # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, float]:
-        """Greedy held-out figures: on eval_dataset, its mean reward (and accuracy where rows carry an answer);
-        else on the task, its accuracy. Nothing when neither exists or no policy is trained."""
-        if not self.method.trains_policy or (self.task is None and self.eval_dataset is None):
-            return {}
-        from gcfamily.evaluate import evaluate_rows
-
-        cfg = self.cfg
-        unwrapped = self.unwrapped_policy()
-        was_training = unwrapped.training
-        details: list[dict[str, Any]] = []
-        with self.full_parameters(), self.autocast():
-            if self.eval_dataset is not None:
-                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
-            else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
-                validation = bool(cfg.validation_rows)  # then the test split is never read
-                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.heldout_rows(cfg.eval_samples)
-                out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
-                out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
-        unwrapped.train(was_training)
-        if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
-            with (self.out_dir / "eval_details.jsonl").open("a") as f:
-                f.write(json.dumps({"step": self.step, "rows": details}) + "\n")
-        return out
-
-    def _check_evaluation(self) -> None:
-        """Refuse, before training, an evaluation that could not run or would report the wrong thing."""
-        cfg = self.cfg
-        wanted = cfg.eval_at_ends or cfg.eval_every or cfg.eval_every_s
-        if not wanted or not self.method.trains_policy:
-            return
-        if self.eval_dataset is None and self.dataset is not None:
-            raise GcfError("Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
-                           "and a --reward; a built-in task's accuracy is never reported for it.")
-        if self.eval_dataset is not None:
-            from gcfamily.formats import encode
-
-            encode("prompts", self._eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
-            self._eval_reward()
-
-    def _eval_rows(self) -> list[dict[str, Any]]:
-        if not hasattr(self, "_eval_cache"):
-            cfg = self.cfg
-            self._eval_cache = load_rows(self.eval_dataset, cfg.eval_split, cfg.dataset_config, cfg.columns)
-        return self._eval_cache
-
-    def _eval_reward(self) -> Any:
-        """The run's reward: the on-policy method's own, else the rewards given (--reward, or functions from Python)."""
-        fn = getattr(self.method, "reward_fn", None) or getattr(self, "_eval_reward_fn", None)
-        if fn is None:
-            from gcfamily.rewards import Rewards, reward_specs
-
-            specs = list(self.rewards) if self.rewards is not None else reward_specs(self.cfg.reward)
-            if not specs:
-                raise GcfError("Evaluating on eval_dataset needs a reward to score completions with: pass --reward (e.g. numeric).")
-            fn = self._eval_reward_fn = Rewards.from_specs(specs, self.cfg.reward_weights, self.cfg.reward_timeout)
-        return fn
-
+    # ------------------------------------------------------------------ compute and wrappers
     def autocast(self) -> contextlib.AbstractContextManager:
         """Forwards in the compute dtype over master weights (a no-op when they are the same dtype)."""
         return self.precision.autocast()
 
-    # ------------------------------------------------------------------ saving
     def unwrapped_policy(self) -> torch.nn.Module:
         """The plain causal LM under any DDP / FSDP2 / LogprobModel wrapper."""
         m = getattr(self.policy, "module", self.policy)
@@ -539,96 +369,6 @@ class Trainer:
     def full_parameters(self) -> contextlib.AbstractContextManager:
         """Context in which unwrapped_policy() holds whole parameters (FSDP2 gathers them for generation)."""
         return self.dist.full_parameters(self.policy) if self.dist is not None else contextlib.nullcontext()
-
-    def training_state(self) -> dict[str, Any]:
-        """Everything but the weights that an exact resume needs."""
-        return {
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
-            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
-        }
-
-    def save_checkpoint(self) -> Optional[Path]:
-        """A resumable checkpoint in out_dir/checkpoints (rank 0 writes)."""
-        if self.dist is not None:
-            return self.dist.save_checkpoint(self)
-        if not self.is_main:
-            return None
-        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.unwrapped_policy(), self.training_state(), self.cfg.keep_last,
-                               self.weight_keys(), self.checkpoint_extras())
-
-    def checkpoint_extras(self) -> Optional[Callable[[Path], None]]:
-        """What makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer (LoRA ones hold only adapters)."""
-        if self.weight_keys() is not None:
-            return None
-        model = self.unwrapped_policy()
-
-        def write(folder: Path) -> None:
-            model.config.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
-
-        return write
-
-    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest waits for _restore."""
-        state = distributed.local_state(checkpoint.load(path, self.unwrapped_policy(), self.weight_keys()), self.dist)
-        self.method.load_state_dict(state["method"])
-        return state
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Optimizer, schedule, RNG and counters, once the optimizer exists."""
-        if self.dist is not None:
-            self.dist.load_optimizer(self.policy, self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"], self.generator)
-        self.step = int(state["step"])
-        self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
-        self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
-        self.flops_seen = float(state.get("flops_seen", 0.0))
-
-    def save_final(self) -> None:
-        """The final model and tokenizer with save_pretrained, loadable by transformers."""
-        if self.method.save_final(self.out_dir):  # the run's product is the method's own model
-            return
-        if lora.is_peft(self.unwrapped_policy()):  # DDP keeps a whole copy on every rank: rank 0 writes it
-            if self.is_main:
-                lora.save_final(self.unwrapped_policy(), self.tokenizer, self.out_dir, self.cfg.merge_lora, self.cfg.save_dtype)
-            if self.dist is not None:
-                self.dist.barrier()
-            return
-        if self.dist is not None:
-            self.dist.save_final(self)
-            return
-        model = self.unwrapped_policy()
-        precision.save_pretrained(model, self.out_dir, model.state_dict(), self.cfg.save_dtype)
-        self.tokenizer.save_pretrained(self.out_dir)
-
-    def write_card(self) -> None:
-        """The final folder's README.md: method, base model, data, settings and final metrics (gcfamily/card.py)."""
-        from gcfamily.card import write_model_card
-        from gcfamily.logger import read_metrics
-        from gcfamily.methods.onpolicy import OnPolicy
-
-        m = self.method
-        info = {"name": self.cfg.method, "data_source": m.data_source, "gc_formula": m.gc_formula, "on_policy": isinstance(m, OnPolicy)}
-        write_model_card(self.out_dir, to_dict(self.cfg), read_metrics(self.out_dir), self.cfg.model, info)
-
-    def summary(self) -> str:
-        """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""
-        from gcfamily.card import summary
-        from gcfamily.logger import read_metrics
-
-        rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
-        seconds = time.perf_counter() - getattr(self, "started", time.perf_counter())
-        return summary(rows, self.step, seconds, self.out_dir, getattr(self, "final_saved", False))
-
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """Prompts, completions and rewards of a step to completions.jsonl and the trackers (every log_completions_every steps)."""
-        every = self.cfg.log_completions_every
-        if every and step % every == 0 and getattr(self, "logger", None) is not None:
-            self.logger.completions(step, rows)
 
     # ------------------------------------------------------------------ signals and progress
     def _install_signal_handlers(self) -> Callable[[], None]:

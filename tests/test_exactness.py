@@ -199,6 +199,8 @@ def test_a_hook_the_textbook_does_not_know_is_named_and_checked_against_its_obje
 
 def test_a_batch_that_cannot_tell_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the designed pi_old no token is clipped: the check says which branches did not occur."""
-    monkeypatch.setattr(check, "_design_ratios", lambda *a, **k: None)
+    from gcfamily import check_builders
+
+    monkeypatch.setattr(check_builders, "_design_ratios", lambda *a, **k: None)
     out = check.run_case(get_method("dapo"), "clip and KL", {"mu": 2})
     assert not out.ok and {"clipped low", "clipped high", "in the band between eps and eps_high", "unclipped, r != 1"} <= set(out.missing)
