@@ -31,7 +31,9 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
         return res
     rows = read_metrics(folder)
     steps = [r for r in rows if "time/step_s" in r]
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    # held-out accuracy, or the mean reward where the held-out rows carry no answer (a dataset scored by a reward of its own)
+    key = "eval/accuracy" if any(r.get("eval/accuracy") is not None for r in rows) else "eval/reward_mean"
+    evals = [r for r in rows if r.get(key) is not None]
     extra = json.loads((folder / "bench_child.json").read_text()) if (folder / "bench_child.json").is_file() else {}
     train_s = sum(r["time/step_s"] - r["time/data_s"] for r in steps)
     data_s = sum(r["time/data_s"] for r in steps)
@@ -40,11 +42,11 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
     last = rewards[-min(len(rewards), 3):]  # the last few steps: one step's reward is noisy
     res.update({
         "steps": len(steps),
-        "accuracy_before": evals[0]["eval/accuracy"] if evals and evals[0]["step"] == 0 else None,
-        "accuracy_after": evals[-1]["eval/accuracy"] if evals and evals[-1]["step"] > 0 else None,
+        "accuracy_before": evals[0][key] if evals and evals[0]["step"] == 0 else None,
+        "accuracy_after": evals[-1][key] if evals and evals[-1]["step"] > 0 else None, "heldout_figure": key,
         "reward_first": rewards[0] if rewards else None,
         "reward_final": sum(last) / len(last) if last else None,
-        "kl_ref": extra.get("kl_ref"),
+        "kl_ref": extra.get("kl_ref"), "start_eval_from": extra.get("start_eval_from"),
         "kl_logged": _mean([r.get("grpo/kl", r.get("ppo/kl")) for r in steps[-3:]]),
         "step_s_median": _median([r["time/step_s"] for r in steps]),
         "step_s_mean": _mean([r["time/step_s"] for r in steps]),
@@ -97,7 +99,7 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
             fmt(r["kl_ref"], ".2g"), fmt(r["step_s_median"], ".3g"), fmt(r["train_tokens_per_s"], ".0f"),
             fmt(r["generation_tokens_per_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"), fmt(r["gc_mean"], ".3g"),
             fmt(r["gc_abs_mean"], ".3g"), fmt(r["gc_zero_frac"], ".2f"), gcq]) + " |")
-    lines += ["", "Held-out accuracy: greedy, `eval_samples` test prompts. Final reward: mean of `reward/mean` over the last 3 steps "
+    lines += ["", "Held-out accuracy: greedy, each distinct prompt of the first `eval_samples` test rows once (with --dataset: the eval rows' accuracy where they carry an `answer`, else their mean reward). Final reward: mean of `reward/mean` over the last 3 steps "
               "(on-policy methods). KL to ref: mean k3 per token of one temperature-1 sample per held-out prompt from the final "
               "policy against the initial model. pass@1 / pass@k: k = group_size completions sampled per held-out prompt at the run's "
               "temperature (unbiased estimator). s/step: median. Train tok/s: loss tokens over the step time outside sampling "

@@ -121,7 +121,8 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
             *(_ci(a[k], spec, interval=False) for k, spec in (("steps", ".0f"), ("prompts_seen", ".0f"), ("train_tokens", ".3g"),
                                                               ("generated_tokens", ".3g"), ("train_flops", ".2e"), ("step_s_median", ".3g"),
                                                               ("peak_memory_mb", ".0f")))]) + " |")
-    lines += ["", "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, `eval_samples` prompts. Intervals "
+    lines += ["", "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, each distinct prompt of the first "
+              "`eval_samples` test rows once. Before: one evaluation, shared by every run that starts from the same model. Intervals "
               "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
               "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
               "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline pairs each (seed, prompt) of the method with the baseline's, "
@@ -143,18 +144,21 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
                               ("eval/accuracy", "accuracy_bands.png", "held-out accuracy (greedy)")):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for i, (m, runs) in enumerate(per_method.items()):
-            by_step: dict[int, list[float]] = {}
-            for r in runs:
-                for row in r.get("per_step") or []:
-                    if row.get(key) is not None:
-                        by_step.setdefault(int(row["step"]), []).append(float(row[key]))
-            steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # steps every seed reached
-            if not steps:
+            if key == "eval/accuracy":  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
+                xs, ys = evaluation_points(runs)
+            else:
+                by_step: dict[int, list[float]] = {}
+                for r in runs:
+                    for row in r.get("per_step") or []:
+                        if row.get(key) is not None:
+                            by_step.setdefault(int(row["step"]), []).append(float(row[key]))
+                steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # steps every seed reached
+                xs, ys = [float(s) for s in steps], [by_step[s] for s in steps]
+            if not xs:
                 continue
-            mean = [sum(by_step[s]) / len(by_step[s]) for s in steps]
-            ax.plot(steps, mean, color=f"C{i}", label=f"{m} ({len(runs)} seeds)", marker="o" if key == "eval/accuracy" else None, ms=3)
-            ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps], color=f"C{i}", alpha=0.2)
-        ax.set_xlabel("optimizer step")
+            ax.plot(xs, [sum(y) / len(y) for y in ys], color=f"C{i}", label=f"{m} ({len(runs)} seeds)", marker="o" if key == "eval/accuracy" else None, ms=3)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}", alpha=0.2)
+        ax.set_xlabel("optimizer step" if key != "eval/accuracy" else "training seconds (mean over seeds at each evaluation)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ax.has_data():
@@ -164,6 +168,26 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
         plt.close(fig)
         written.append(out / fname)
     return written
+
+
+def evaluation_points(runs: list[dict[str, Any]]) -> tuple[list[float], list[list[float]]]:
+    """(x, accuracies of every seed) at each evaluation: the k-th of every seed (before, during, after), at the mean of the
+    seeds' training seconds then. Seeds with fewer evaluations than the rest are aligned at their first ones and their last."""
+    per_run = []
+    for r in runs:
+        pts, elapsed = [], 0.0
+        for row in r.get("per_step") or []:
+            elapsed = float(row.get("budget/elapsed_s", elapsed))
+            if row.get("eval/accuracy") is not None:
+                pts.append((0.0 if int(row["step"]) == 0 else elapsed, float(row["eval/accuracy"])))
+        if pts:
+            per_run.append(pts)
+    if len(per_run) != len(runs):
+        return [], []
+    n = min(len(p) for p in per_run)
+    aligned = [p[: n - 1] + [p[-1]] for p in per_run]
+    xs = [sum(p[k][0] for p in aligned) / len(aligned) for k in range(n)]
+    return xs, [[p[k][1] for p in aligned] for k in range(n)]
 
 
 def kl_of(row: dict[str, Any]) -> Optional[float]:

@@ -36,11 +36,40 @@ def test_quick_bench_writes_table_plots_and_json(gcf, tmp_path):
     assert res["grpo"]["reward_final"] is not None and res["sft"]["reward_final"] is None
     for name in METHODS:  # a finished child keeps its final model, not its resumable checkpoints
         assert not (out / name / "checkpoints").exists() and (out / name / "config.json").is_file(), name
+    # one evaluation before training for the suite: grpo and dpo take sft's, and it is what they would have computed
+    assert res["sft"]["start_eval_from"] is None and res["grpo"]["start_eval_from"] == res["dpo"]["start_eval_from"] == str(out / "sft")
+    first = [start_details(out / name) for name in METHODS]
+    assert first[0]["rows"] and first[1] == first[2] == first[0]
+    alone = tmp_path / "alone"  # grpo first: it evaluates itself, and dpo takes grpo's
+    code, stdout, stderr = gcf("bench", "--quick", "--methods", "grpo,dpo", "--budget", "steps:1", "--out", str(alone), "--set", "eval_samples=8")
+    assert code == 0, stdout + stderr
+    assert start_details(alone / "grpo") == first[1] and start_details(alone / "dpo") == first[2]
+    def start_figures(folder):
+        return [{k: v for k, v in r.items() if k.startswith("eval/")} for r in metrics_rows(folder) if r["step"] == 0]
+
+    assert start_figures(alone / "grpo") == start_figures(out / "grpo") and start_figures(out / "grpo")[0]["eval/accuracy"] is not None
     # the same command again keeps every finished run instead of training it again
     code, stdout, stderr = gcf("bench", "--quick", "--methods", ",".join(METHODS), "--budget", "steps:2", "--out", str(out),
                                "--set", "eval_samples=8")
     assert code == 0 and stdout.count("kept the finished run") == len(METHODS), stdout + stderr
     assert json.loads((out / "bench.json").read_text())["results"]["grpo"]["steps"] == 2
+
+
+def start_details(folder):
+    """A run's per-prompt record of its evaluation before the first step."""
+    return next(r for r in (json.loads(x) for x in (folder / "eval_details.jsonl").read_text().splitlines() if x.strip()) if r["step"] == 0)
+
+
+def test_start_key_shares_only_what_cannot_change_the_start():
+    from gcfamily.bench import start_key
+
+    base = {"model": "smollm2-135m", "task": "arithmetic", "seed": 0, "eval_samples": 500, "max_new_tokens": 16, "method": "sft", "lr": 2e-5}
+    same = {**base, "method": "grpo", "lr": 3e-6, "beta": 0.04, "group_size": 8, "seed": 2, "output_dir": "x", "max_time": 210}
+    assert start_key(same) == start_key(base)  # a pretrained model loads the same weights whatever the seed
+    for change in ({"eval_samples": 64}, {"max_new_tokens": 8}, {"task_seed": 1}, {"lora_r": 16}, {"model": "tiny"}, {"chat_format": "raw"}):
+        assert start_key({**base, **change}) != start_key(base), change
+    tiny = {**base, "model": "tiny"}
+    assert start_key({**tiny, "seed": 1}) != start_key(tiny)  # the seed initialises the tiny random model
 
 
 def test_token_and_time_budgets_stop_the_trainer(gcf, tmp_path):
@@ -187,6 +216,22 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert code == 2 and "--baseline dpo is not one of the suite's methods" in err
 
 
+def test_accuracy_bands_align_seeds_by_evaluation_not_by_step():
+    from gcfamily.bench_seeds import evaluation_points
+
+    def run(evals):  # (step, training seconds, accuracy); the end evaluation is logged on a row of its own
+        rows = [{"step": 0, "eval/accuracy": evals[0][2]}]
+        for step, secs, acc in evals[1:]:
+            rows += [{"step": step, "budget/elapsed_s": secs}, {"step": step, "eval/accuracy": acc}]
+        return {"per_step": rows}
+
+    xs, ys = evaluation_points([run([(0, 0, 0.4), (11, 106.0, 0.5), (22, 212.0, 0.6)]),
+                                run([(0, 0, 0.4), (13, 110.0, 0.7), (25, 214.0, 0.8)])])
+    assert xs == [0.0, 108.0, 213.0] and ys == [[0.4, 0.4], [0.5, 0.7], [0.6, 0.8]]
+    xs, ys = evaluation_points([run([(0, 0, 0.4), (22, 212.0, 0.6)]), run([(0, 0, 0.4), (13, 110.0, 0.7), (25, 214.0, 0.8)])])
+    assert xs == [0.0, 213.0] and ys == [[0.4, 0.4], [0.6, 0.8]]  # a seed without the middle evaluation: first and last
+
+
 def test_several_tasks_run_one_suite_each_and_presets_carry_their_options(gcf, tmp_path):
     out = tmp_path / "b"
     code, _, err = gcf("bench", "--quick", "--methods", "sft", "--task", "arithmetic,sorting-short", "--budget", "steps:1",
@@ -195,6 +240,36 @@ def test_several_tasks_run_one_suite_each_and_presets_carry_their_options(gcf, t
     assert (out / "arithmetic" / "bench.md").is_file() and (out / "sorting-short" / "bench.md").is_file()
     cfg = json.loads((out / "sorting-short" / "sft" / "run_config.json").read_text())
     assert cfg["task"] == "sorting" and cfg["task_options"] == {"min_len": 2, "max_len": 3}
+
+
+def test_bench_on_a_users_dataset_runs_the_methods_its_format_feeds(gcf, tmp_path):
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "completion": str(a + b), "answer": str(a + b)}) + "\n"
+                             for a in range(6) for b in range(6)))
+    held.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n" for a in (7, 8) for b in (7, 8, 9)))
+    out = tmp_path / "b"
+    code, stdout, err = gcf("bench", "--quick", "--methods", "sft,grpo,dpo", "--budget", "steps:1", "--dataset", str(train),
+                            "--eval-dataset", str(held), "--reward", "numeric", "--output-dir", str(out),
+                            "--set", "max_new_tokens=2", "--set", "group_size=2")
+    assert code == 0, stdout + err
+    assert "dpo: left out: it trains on preference (prompt, chosen, rejected" in stdout and "prompt-completion (prompt, completion)" in stdout
+    res = json.loads((out / "bench.json").read_text())
+    assert sorted(res["results"]) == ["grpo", "sft"] and res["header"]["task"] == "train"
+    for name in ("sft", "grpo"):
+        r = res["results"][name]
+        cfg = json.loads((out / name / "run_config.json").read_text())
+        assert cfg["task"] is None and cfg["dataset"] == str(train) and cfg["reward"] == ["numeric"]
+        assert r["returncode"] == 0 and r["heldout_figure"] == "eval/accuracy" and r["accuracy_before"] is not None
+        assert r["kl_ref"] is not None and r["pass_at_1"] is not None  # on the eval rows, scored by --reward
+    assert [row["prompt"] for row in start_details(out / "grpo")["rows"]] == [f"What is {a} + {b}?" for a in (7, 8) for b in (7, 8, 9)]
+    for args, msg in [((), "--dataset needs --reward"), (("--reward", "numeric"), "--dataset needs --eval-dataset")]:
+        code, _, err = gcf("bench", "--quick", "--dataset", str(train), *args, "--output-dir", str(tmp_path / "c"))
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = gcf("bench", "--quick", "--methods", "dpo", "--dataset", str(train), "--eval-dataset", str(held), "--reward", "numeric",
+                       "--output-dir", str(tmp_path / "d"))
+    assert code == 2 and "No method of the suite can train on prompt-completion" in err, err
+    code, _, err = gcf("bench", "--quick", "--reward", "numeric", "--output-dir", str(tmp_path / "e"))
+    assert code == 2 and "--eval-dataset and --reward go with --dataset" in err, err
 
 
 def test_gcf_eval_types_task_options(gcf):
@@ -227,6 +302,30 @@ def test_sweep_chooses_on_validation_rows_and_never_reads_the_test_split(gcf, tm
         assert all("eval/accuracy" not in r for r in metrics_rows(folder))
     md = (out / "bench.md").read_text()
     assert "| sft | " in md and "chosen lr" in md and "after, at the chosen" in md
+
+
+def test_sweep_with_seeds_chooses_on_the_mean_validation_and_reads_the_test_split_for_the_chosen_value_only(gcf, tmp_path):
+    from gcfamily.bench_seeds import prompts_of
+    from gcfamily.tasks import get_task
+
+    out = tmp_path / "s"
+    code, _, err = gcf("bench", "--quick", "--methods", "sft,grpo", "--budget", "steps:1", "--sweep", "lr=1e-3,3e-2", "--seeds", "2",
+                       "--output-dir", str(out), "--set", "eval_samples=5", "--set", "max_new_tokens=2", "--set", "group_size=2")
+    assert code == 0, err
+    test = {r["prompt"] for r in get_task("arithmetic", seed=0).rows("test")}
+    res = json.loads((out / "bench.json").read_text())["results"]
+    for m in ("sft", "grpo"):
+        runs = {v: [res[f"{m}/lr={v}/seed-{k}"] for k in (0, 1)] for v in ("1e-3", "3e-2")}
+        means = {v: sum(r["val_accuracy"] for r in rs) / 2 for v, rs in runs.items()}
+        chosen = "1e-3" if means["1e-3"] >= means["3e-2"] else "3e-2"  # ties: the first value given
+        for v, rs in runs.items():
+            for r in rs:
+                assert r["val_mean"] == means[v] and r["chosen"] == (v == chosen)
+                assert (r.get("heldout_after") is not None) == (v == chosen)  # the test split, for the chosen value's runs only
+                assert not set(prompts_of(out / m / f"lr={v}" / r["folder"].rsplit("/", 1)[1])) & test
+        assert [json.loads((out / m / f"lr={chosen}" / f"seed-{k}" / "run_config.json").read_text())["seed"] for k in (0, 1)] == [0, 1]
+    md = (out / "bench.md").read_text()
+    assert "--sweep lr --seeds 2" in md and "(mean [95% CI over seeds])" in md and "averaged over the seeds" in md
 
 
 def test_validation_rows_never_train(tmp_path):
