@@ -48,7 +48,7 @@ import click
 
 # the plans (suites, recipes, settings, budgets, shared start evaluations) live in bench_plan; their names are bench's too
 from gcfamily.bench_plan import (DEFAULT_METHODS, SUITES, TASK_PRESETS, check_sets, data_label, dataset_suite,  # noqa: F401
-                                 default_methods, method_name, parse_budget, recipe, run_settings, share_start_evaluations, start_key)
+                                 default_methods, method_name, parse_budget, recipe, run_settings, seeded, share_start_evaluations, start_key)
 from gcfamily.bench_report import fmt, plots, summarise, table
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 
@@ -135,10 +135,7 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
     for spec in methods if sweep is None else []:
         for k in range(seeds):
             key = names[spec] if seeds == 1 else f"{names[spec]}/seed-{k}"
-            settings = run_settings(suite, spec, names[spec], model, task, stop, sets, out, data)
-            base = int(settings.get("seed", 0))
-            # seeds base..base+N-1; the task (its problems, split and held-out prompts) stays at the base seed for every method and seed
-            settings.update(seed=base + k, task_seed=settings.get("task_seed", base), output_dir=str(out / key))
+            settings = seeded(run_settings(suite, spec, names[spec], model, task, stop, sets, out, data), k, out / key)
             plans[key] = {"method_spec": spec, "settings": settings}
     share_start_evaluations(plans)
     out.mkdir(parents=True, exist_ok=True)

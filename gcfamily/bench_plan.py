@@ -146,6 +146,14 @@ def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: 
     return s
 
 
+def seeded(settings: dict[str, Any], k: int, folder: Path) -> dict[str, Any]:
+    """The settings of the k-th seed's run, in `folder`: seeds base..base+N-1, while the task (its problems, split and held-out
+    prompts) stays at the base seed for every method and seed."""
+    base = int(settings.get("seed", 0))
+    settings.update(seed=base + k, task_seed=settings.get("task_seed", base), output_dir=str(folder))
+    return settings
+
+
 def dataset_suite(methods: list[str], data: dict[str, Any], settings_of: Any, echo: Any) -> list[str]:
     """The methods that can train on the user's dataset (its TRL format is one of the method's kinds of rows); the rest are
     said and left out. One sentence when the data cannot make a suite: no reward, no held-out rows, no method left."""

@@ -28,6 +28,7 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
 def plan_sweep(swept: tuple[str, list[str]], methods: list[str], names: dict[str, str], seeds: int,
                settings_of: Callable[[str, dict[str, str]], dict[str, Any]], sets: dict[str, str], out: Path) -> dict[str, dict[str, Any]]:
     """One run per method, value and seed (OUT/METHOD/KEY=V[/seed-K]); a method without the setting runs once per seed."""
+    from gcfamily.bench_plan import seeded
     from gcfamily.config import setting_names
 
     key, values = swept
@@ -35,11 +36,9 @@ def plan_sweep(swept: tuple[str, list[str]], methods: list[str], names: dict[str
     for spec in methods:
         for v in values if key.replace("-", "_") in setting_names(spec) else [None]:
             for k in range(seeds):
-                settings = settings_of(spec, dict(sets) if v is None else {**sets, key: v})
                 name = names[spec] + ("" if v is None else f"/{key}={v}") + (f"/seed-{k}" if seeds > 1 else "")
-                base = int(settings.get("seed", 0))
-                settings.update(seed=base + k, task_seed=settings.get("task_seed", base), output_dir=str(out / name),
-                                validation_rows=int(settings.get("eval_samples", 64)))  # the choice never reads the test split
+                settings = seeded(settings_of(spec, dict(sets) if v is None else {**sets, key: v}), k, out / name)
+                settings["validation_rows"] = int(settings.get("eval_samples", 64))  # the choice never reads the test split
                 plans[name] = {"method_spec": spec, "settings": settings}
     return plans
 
