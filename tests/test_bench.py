@@ -216,6 +216,23 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert code == 2 and "--baseline dpo is not one of the suite's methods" in err
 
 
+def test_sweep_chooses_the_value_with_the_best_mean_over_seeds(monkeypatch, tmp_path):
+    import gcfamily.bench_sweep as bs
+
+    val = {("1e-3", 0): 0.9, ("1e-3", 1): 0.1, ("3e-3", 0): 0.6, ("3e-3", 1): 0.6}  # seed 0 alone favours 1e-3, the mean 3e-3
+    folders = {(v, k): str(tmp_path / "m" / f"lr={v}" / f"seed-{k}") for v, k in val}
+    monkeypatch.setattr(bs, "final_validation", lambda folder: next(x for key, x in val.items() if folders[key] == str(folder)))
+    read = []
+    monkeypatch.setattr(bs, "heldout_of", lambda folder, settings: read.append(folder) or (0.4 if folder is None else 0.7))
+    runs = [{"folder": folders[key]} for key in val]  # values in the order given, seeds within
+    plans = {f: {"settings": {"output_dir": f}} for f in folders.values()}
+    header = {"model": "tiny", "task": "arithmetic", "budget": "steps:1", "machine": "m", "date": "d", "total_s": 1.0}
+    bs.write_sweep(("lr", ["1e-3", "3e-3"]), {"m": runs}, plans, 2, header, tmp_path)
+    assert [r["val_mean"] for r in runs] == [0.5, 0.5, 0.6, 0.6] and [r["chosen"] for r in runs] == [False, False, True, True]
+    assert read[1:] == [tmp_path / "m" / "lr=3e-3" / f"seed-{k}" for k in (0, 1)]  # the test split: the base model, the chosen runs
+    assert "| m | 0.500 | 0.600 | 3e-3 | 0.400 | 0.700 [0.700, 0.700] |" in (tmp_path / "bench.md").read_text()
+
+
 def test_accuracy_bands_align_seeds_by_evaluation_not_by_step():
     from gcfamily.bench_seeds import evaluation_points
 
