@@ -83,11 +83,13 @@ def _quantiles(v: Any, qs: Any) -> list[float]:
 
 def heldout_prompts(trainer: Any, n: int) -> tuple[list[dict[str, Any]], Any]:
     """(up to n held-out rows, the reward scoring them): the task's held-out prompts and its reward, or the first n rows of the
-    run's eval_dataset and its rewards (--reward); ([], None) when the run has neither or trains no policy."""
+    run's eval_dataset and its rewards (--reward); ([], None) when the run has neither or trains no policy. A run that keeps
+    validation rows (a --sweep run) measures on those instead: it never reads the test split."""
     if not trainer.method.trains_policy:
         return [], None
     if trainer.task is not None:
-        return trainer.task.heldout_rows(n), trainer.task.reward
+        rows = trainer.validation_rows()[:n] if trainer.cfg.validation_rows else trainer.task.heldout_rows(n)
+        return rows, trainer.task.reward
     if trainer.eval_dataset is not None:
         return trainer._eval_rows()[:n], trainer._eval_reward()
     return [], None

@@ -6,8 +6,9 @@ sampling and the initialisation of anything random. Per method:
 
 - each figure's mean over seeds and a 95% t interval across seeds (none with one seed);
 - held-out accuracy pooled over seeds, with a Wilson interval on the pooled answers (prompts x seeds);
-- the paired difference to the baseline method in accuracy: per (seed, prompt) correctness, mean difference and a
-  percentile bootstrap interval over those pairs (10,000 resamples, seed 0); significant when 0 is outside it.
+- the difference to the baseline method in final held-out accuracy, with a two-level bootstrap interval (stats.seeds_bootstrap:
+  the prompts resampled in pairs, each method's seeds resampled apart; 10,000 resamples, seed 0); significant when 0 is
+  outside it. Runs pair only on prompts every one of them answered, matched by position and text.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gcfamily.bench_report import fmt
-from gcfamily.stats import mean_interval, paired_bootstrap, wilson
+from gcfamily.stats import mean_interval, seeds_bootstrap, wilson
 
 FIGURES = ("accuracy_before", "accuracy_after", "pass_at_1", "pass_at_k", "reward_final", "kl_ref", "steps", "step_s_median", "peak_memory_mb",
            "train_tokens", "generated_tokens", "elapsed_s", "prompts_seen", "train_flops")
 
 
-def heldout(folder: Path, final: bool = True) -> Optional[dict[int, float]]:
-    """{prompt index: 1.0 if correct} at the run's last evaluation (final) or its first (before training)."""
+def heldout(folder: Path, final: bool = True, accuracy: bool = True) -> Optional[dict[tuple[int, str], float]]:
+    """{(prompt index, prompt): 1.0 if correct} at the run's last evaluation (final) or its first (before training);
+    with accuracy=False the reward itself (0.0 where it failed), for held-out rows without an answer.
+
+    Keyed by the prompt's text as well as its position, so that runs pair only where they answered the same prompt.
+    """
     path = Path(folder) / "eval_details.jsonl"
     if not path.is_file():
         return None
@@ -34,7 +39,10 @@ def heldout(folder: Path, final: bool = True) -> Optional[dict[int, float]]:
     if not records:
         return None
     rec = max(records, key=lambda r: r["step"]) if final else records[0]
-    return {int(row["index"]): float(row["reward"] is not None and row["reward"] >= 1.0) for row in rec["rows"]}
+    def score(r: Optional[float]) -> float:
+        return float(r is not None and r >= 1.0) if accuracy else float(r or 0.0)
+
+    return {(int(row["index"]), str(row["prompt"])): score(row["reward"]) for row in rec["rows"]}
 
 
 def prompts_of(folder: Path) -> Optional[list[str]]:
@@ -50,15 +58,20 @@ def _finite(xs: list[Any]) -> list[float]:
     return [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
 
 
-def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A method's figures over its seeds: {figure: (mean, lo, hi)}, the pooled accuracy and its Wilson interval."""
+def is_accuracy(per_method: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether the suite's held-out figure is accuracy (a task, or eval rows with an answer), not mean reward."""
+    return all(r.get("heldout_figure", "eval/accuracy") == "eval/accuracy" for runs in per_method.values() for r in runs)
+
+
+def aggregate(runs: list[dict[str, Any]], accuracy: bool = True) -> dict[str, Any]:
+    """A method's figures over its seeds: {figure: (mean, lo, hi)}, the pooled accuracy and its Wilson interval (accuracy only)."""
     ok = [r for r in runs if r.get("returncode") == 0]
     out: dict[str, Any] = {"seeds": len(runs), "ok": len(ok)}
     for key in FIGURES:
         vals = _finite([r.get(key) for r in ok])
         out[key] = mean_interval(vals) if vals else None
     k = n = 0
-    for r in ok:
+    for r in ok if accuracy else []:
         got = heldout(Path(r["folder"]))
         if got:
             k, n = k + int(sum(got.values())), n + len(got)
@@ -67,21 +80,18 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The paired bootstrap of final held-out correctness against the baseline's, over (seed, prompt) pairs both have."""
-    a, b = [], []
-    by_seed = {r.get("seed"): r for r in base if r.get("returncode") == 0}
-    for r in runs:
-        other = by_seed.get(r.get("seed"))
-        if r.get("returncode") != 0 or other is None:
-            continue
-        x, y = heldout(Path(r["folder"])), heldout(Path(other["folder"]))
-        if not x or not y:
-            continue
-        for i in sorted(set(x) & set(y)):
-            a.append(x[i])
-            b.append(y[i])
-    return paired_bootstrap(a, b) if a else None
+def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]], accuracy: bool = True) -> Optional[dict[str, Any]]:
+    """The difference in final held-out accuracy to the baseline: `seeds_bootstrap` over each method's successful seeds,
+    on the prompts every one of those runs answered (matched by position and text)."""
+    got = [[heldout(Path(r["folder"]), accuracy=accuracy) for r in rs if r.get("returncode") == 0] for rs in (runs, base)]
+    got = [[x for x in g if x] for g in got]
+    if not got[0] or not got[1]:
+        return None
+    keys = sorted(set.intersection(*(set(x) for g in got for x in g)))
+    if not keys:
+        return None
+    a, b = ([[x[k] for k in keys] for x in g] for g in got)
+    return seeds_bootstrap(a, b)
 
 
 def runs_k(runs: list[dict[str, Any]]) -> Optional[int]:
@@ -98,13 +108,15 @@ def _ci(v: Optional[tuple[float, float, float]], spec: str = ".3f", interval: bo
 
 def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, Any], baseline: Optional[str]) -> str:
     """bench.md for several seeds: intervals, pooled accuracy, the paired difference to the baseline, what each budget bought."""
-    agg = {m: aggregate(runs) for m, runs in per_method.items()}
-    comp = {m: paired(runs, per_method[baseline]) for m, runs in per_method.items() if baseline in per_method and m != baseline}
+    acc = is_accuracy(per_method)
+    figure = "held-out acc" if acc else "held-out mean reward"
+    agg = {m: aggregate(runs, acc) for m, runs in per_method.items()}
+    comp = {m: paired(runs, per_method[baseline], acc) for m, runs in per_method.items() if baseline in per_method and m != baseline}
     seeds = max(len(r) for r in per_method.values())
     lines = [f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}, {seeds} seed(s)", "",
              f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
              f"total {header['total_s']:.0f} s of runs.", "",
-             f"| method | data | seeds | held-out acc before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (paired bootstrap 95%) "
+             f"| method | data | seeds | {figure} before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (bootstrap over prompts and seeds, 95%) "
              "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, a in agg.items():
@@ -125,8 +137,10 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
               "`eval_samples` test rows once. Before: one evaluation, shared by every run that starts from the same model. Intervals "
               "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
               "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
-              "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline pairs each (seed, prompt) of the method with the baseline's, "
-              "and resamples the pairs (10,000 bootstrap resamples, seed 0); significant when its 95% interval excludes 0. "
+              "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
+              "resample draws the held-out prompts with replacement (the same prompts for both methods: paired) and each method's seeds "
+              "with replacement, apart (10,000 resamples, seed 0), so it holds the spread between training runs as well as the "
+              "prompts'; significant when its 95% interval excludes 0. "
               "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
               "the loss-token-only head do less). Prompts seen: steps x batch_size."]
     return "\n".join(lines) + "\n"
@@ -143,7 +157,10 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
     for key, fname, label in (("reward/mean", "reward_bands.png", "reward (mean of the step's samples)"),
                               ("eval/accuracy", "accuracy_bands.png", "held-out accuracy (greedy)")):
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for i, (m, runs) in enumerate(per_method.items()):
+        for i, (m, all_runs) in enumerate(per_method.items()):
+            runs = [r for r in all_runs if r.get("returncode") == 0]  # a failed run's last figures are not its final ones
+            if not runs:
+                continue
             if key == "eval/accuracy":  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
                 xs, ys = evaluation_points(runs)
             else:
@@ -208,7 +225,7 @@ def frontier_plot(per_method: dict[str, list[dict[str, Any]]], out: Path) -> Opt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, (m, runs) in enumerate(per_method.items()):
-        for j, r in enumerate(runs):
+        for j, r in enumerate(r for r in runs if r.get("returncode") == 0):
             pts = [(kl_of(row), row["reward/mean"]) for row in r.get("per_step") or [] if row.get("reward/mean") is not None and kl_of(row) is not None]
             if pts:
                 axes[0].plot(*zip(*pts), color=f"C{i}", alpha=0.8 if j == 0 else 0.35, lw=1, marker=".", ms=3, label=m if j == 0 else None)

@@ -4,7 +4,7 @@ Every sweep run keeps `validation_rows` (= eval_samples) rows at the end of the 
 and evaluates on them (eval/val_accuracy); it never reads the test split. Per method the value with the highest
 final validation accuracy (the mean over seeds with --seeds) wins (ties: the first value given). Only then are the
 chosen value's final models evaluated on the held-out test prompts, once each, beside the base model's held-out
-accuracy (the same for every method).
+accuracy (the same for every method). The runs' KL and pass@k are measured on their validation rows too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def write_sweep(swept: tuple[str, list[str]], per_method: dict[str, list[dict[st
     base_acc = heldout_of(None, next(iter(settings.values())))
     for runs in per_method.values():
         for r in runs:
-            r["val_accuracy"] = final_validation(Path(r["folder"]))
+            r["val_accuracy"] = final_validation(Path(r["folder"])) if r.get("returncode") == 0 else None  # a failed run's last is not final
         groups = [runs[i : i + seeds] for i in range(0, len(runs), seeds)]  # one group of seeds per value, in the order given
         means = [_mean_of([r["val_accuracy"] for r in g]) for g in groups]
         i = choose([str(j) for j in range(len(groups))], means)
@@ -121,9 +121,9 @@ def sweep_table(key: str, values: list[str], per_method: dict[str, list[dict[str
         scores = [g[0].get("val_mean") for g in groups]
         chosen_runs = [r for r in runs if r.get("chosen")]
         afters = [r.get("heldout_after") for r in chosen_runs]
-        if seeded and afters and all(a is not None for a in afters):
-            mu, lo, hi = mean_interval(afters)
-            after = f"{mu:.3f} [{lo:.3f}, {hi:.3f}]"
+        if seeded:  # every chosen seed's figure, or none: one seed's value is not a mean over seeds
+            mu, lo, hi = mean_interval(afters) if afters and all(a is not None for a in afters) else (None, None, None)
+            after = "-" if mu is None else f"{mu:.3f} [{lo:.3f}, {hi:.3f}]"
         else:
             after = fmt(afters[0] if afters else None, ".3f")
         if len(groups) != len(values):  # the method has no such setting: one run per seed

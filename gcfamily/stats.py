@@ -8,6 +8,7 @@ relative (checked against mpmath in tests/test_stats.py), not table lookups.
 - `wilson`: interval for a success rate (k correct of n prompts).
 - `t_quantile`, `mean_interval`: the t interval of a metric across seeds.
 - `paired_bootstrap`: is method A better than the baseline on the same items?
+- `seeds_bootstrap`: the same when each method ran several seeds on the same prompts.
 - `pass_at_k`: the unbiased pass@k estimator of Chen et al. (2021).
 """
 
@@ -254,23 +255,62 @@ def paired_bootstrap(
         stop = min(n_boot, start + rows)
         idx = rng.integers(0, n, size=(stop - start, n))  # [rows, n]
         means[start:stop] = d[idx].mean(axis=1)
+    return _percentile_result(means, float(xa.mean() - xb.mean()), confidence, n)
+
+
+def _percentile_result(means: np.ndarray, diff: float, confidence: float, n: int) -> dict:
+    """The percentile interval of resampled mean differences, the two-sided p-value and the significance mark."""
     alpha = 1.0 - confidence
     lo, hi = (float(q) for q in np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0]))
-    diff = float(xa.mean() - xb.mean())
     if diff > 0:
         p_value = min(1.0, 2.0 * float(np.mean(means <= 0.0)))
     elif diff < 0:
         p_value = min(1.0, 2.0 * float(np.mean(means >= 0.0)))
     else:
         p_value = 1.0
-    return {
-        "diff": diff,
-        "lo": lo,
-        "hi": hi,
-        "p_value": p_value,
-        "significant": bool(lo > 0.0 or hi < 0.0),
-        "n": n,
-    }
+    return {"diff": diff, "lo": lo, "hi": hi, "p_value": p_value, "significant": bool(lo > 0.0 or hi < 0.0), "n": n}
+
+
+def seeds_bootstrap(
+    a: list[list[float]], b: list[list[float]], n_boot: int = 10000, seed: int = 0, confidence: float = 0.95
+) -> dict:
+    """Two-level bootstrap of mean(a) - mean(b) when each method ran several seeds on the same prompts.
+
+    a[s][i] is method A's score on prompt i in its seed s (a is seeds x prompts), b[s][i] the
+    baseline's; both score the same prompts in the same order, and may have different numbers of
+    seeds. Each resample draws the prompts with replacement (the same draw for both methods: the
+    comparison is paired by prompt) and, independently, each method's seeds with replacement (a
+    method's seed k and the baseline's seed k are separate trainings, not a pair). So the interval
+    holds both the prompts' sampling and the training runs' spread; treating the seeds x prompts
+    answers as independent items would hold only the first and call a difference significant that a
+    new set of seeds could reverse. With one seed each it is `paired_bootstrap` over prompts. With
+    few seeds the seed level's spread is underestimated by the factor (S - 1) / S of any bootstrap.
+
+    Returns what `paired_bootstrap` returns, with "n" the number of prompts and "seeds" (len(a), len(b)).
+    """
+    _check_confidence(confidence)
+    n_boot = operator.index(n_boot)
+    if n_boot < 1:
+        raise ValueError(f"seeds_bootstrap needs n_boot >= 1, got {n_boot}.")
+    xa = np.stack([_clean(r, "seeds_bootstrap's a") for r in a]) if len(a) else np.empty((0, 0))  # [Sa, P]
+    xb = np.stack([_clean(r, "seeds_bootstrap's b") for r in b]) if len(b) else np.empty((0, 0))  # [Sb, P]
+    if not xa.size or not xb.size:
+        raise ValueError("seeds_bootstrap got no scores; give each method at least one seed scored on at least one prompt.")
+    if xa.shape[1] != xb.shape[1]:
+        raise ValueError(f"seeds_bootstrap needs both methods scored on the same prompts, got {xa.shape[1]} and {xb.shape[1]} per seed.")
+    (sa, n), sb = xa.shape, xb.shape[0]
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_boot)  # [n_boot] resampled mean differences
+    rows = max(1, 2_000_000 // (n * max(sa, sb)))  # bounds each block to ~16 MB whatever the sizes
+    for start in range(0, n_boot, rows):
+        m = min(n_boot, start + rows) - start
+        da = xa[rng.integers(0, sa, size=(m, sa))].mean(axis=1)  # [m, P]: each prompt's mean over A's resampled seeds
+        db = xb[rng.integers(0, sb, size=(m, sb))].mean(axis=1)  # [m, P]
+        idx = rng.integers(0, n, size=(m, n))  # [m, P]: the prompts drawn, shared by both methods
+        means[start : start + m] = np.take_along_axis(da - db, idx, axis=1).mean(axis=1)
+    out = _percentile_result(means, float(xa.mean() - xb.mean()), confidence, n)
+    out["seeds"] = (sa, sb)
+    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -208,7 +208,7 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
     assert [json.loads((f / "run_config.json").read_text())["seed"] for f in folders] == [0, 1, 0, 1]
     assert all(len(heldout(f)) == 6 for f in folders)
     md = (out / "bench.md").read_text()
-    assert "2 seed(s)" in md and "vs sft (paired bootstrap 95%)" in md and "| sft | demonstrations | 2 |" in md and "baseline" in md
+    assert "2 seed(s)" in md and "vs sft (bootstrap over prompts and seeds, 95%)" in md and "| sft | demonstrations | 2 |" in md and "baseline" in md
     grpo_row = next(line for line in md.splitlines() if line.startswith("| grpo |"))
     assert "significant" in grpo_row and "(n=12)" in grpo_row
     assert (out / "accuracy_bands.png").is_file() and (out / "reward_bands.png").is_file() and (out / "frontier.png").is_file()
@@ -224,13 +224,46 @@ def test_sweep_chooses_the_value_with_the_best_mean_over_seeds(monkeypatch, tmp_
     monkeypatch.setattr(bs, "final_validation", lambda folder: next(x for key, x in val.items() if folders[key] == str(folder)))
     read = []
     monkeypatch.setattr(bs, "heldout_of", lambda folder, settings: read.append(folder) or (0.4 if folder is None else 0.7))
-    runs = [{"folder": folders[key]} for key in val]  # values in the order given, seeds within
+    runs = [{"folder": folders[key], "returncode": 0} for key in val]  # values in the order given, seeds within
     plans = {f: {"settings": {"output_dir": f}} for f in folders.values()}
     header = {"model": "tiny", "task": "arithmetic", "budget": "steps:1", "machine": "m", "date": "d", "total_s": 1.0}
     bs.write_sweep(("lr", ["1e-3", "3e-3"]), {"m": runs}, plans, 2, header, tmp_path)
     assert [r["val_mean"] for r in runs] == [0.5, 0.5, 0.6, 0.6] and [r["chosen"] for r in runs] == [False, False, True, True]
     assert read[1:] == [tmp_path / "m" / "lr=3e-3" / f"seed-{k}" for k in (0, 1)]  # the test split: the base model, the chosen runs
     assert "| m | 0.500 | 0.600 | 3e-3 | 0.400 | 0.700 [0.700, 0.700] |" in (tmp_path / "bench.md").read_text()
+    # a failed seed's last validation is not its final one: its value has no mean and is not chosen
+    runs = [{**r, "returncode": 1 if r["folder"] == folders[("3e-3", 1)] else 0} for r in runs]
+    bs.write_sweep(("lr", ["1e-3", "3e-3"]), {"m": runs}, plans, 2, header, tmp_path)
+    assert [r["val_mean"] for r in runs] == [0.5, 0.5, None, None] and [r["chosen"] for r in runs] == [True, True, False, False]
+
+
+def test_paired_difference_resamples_seeds_pairs_by_prompt_text_and_skips_failed_runs(tmp_path):
+    from gcfamily.bench_seeds import paired, seeds_table
+
+    def run(name, correct, prompts=None, returncode=0, seed=0):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"index": i, "prompt": (prompts or [f"q{j}" for j in range(len(correct))])[i], "completion": "",
+                 "reward": float(c)} for i, c in enumerate(correct)]
+        (folder / "eval_details.jsonl").write_text(json.dumps({"step": 0, "rows": rows}) + "\n" + json.dumps({"step": 5, "rows": rows}) + "\n")
+        return {"folder": str(folder), "returncode": returncode, "seed": seed, "data": "d", "accuracy_after": sum(correct) / len(correct)}
+
+    n = 200
+    base = [run(f"b{s}", [i % 10 < 6 for i in range(n)], seed=s) for s in range(3)]
+    meth = [run(f"m{s}", [(i * 7 + s) % 10 < k for i in range(n)], seed=s) for s, k in enumerate((9, 5, 7))]
+    c = paired(meth, base)
+    assert c["diff"] == pytest.approx(0.1) and c["seeds"] == (3, 3) and c["n"] == n
+    assert c["lo"] < 0 < c["hi"] and not c["significant"]  # one seed below the baseline: the seeds' spread is in the interval
+    # a failed run is left out, not paired: the two good seeds (0.9, 0.7) are both above the baseline
+    failed = [meth[0], {**meth[1], "returncode": 1}, meth[2]]
+    assert paired(failed, base)["seeds"] == (2, 3) and paired(failed, base)["diff"] == pytest.approx(0.2)
+    # runs that answered other prompts at the same positions are not paired on them
+    other = [run("o0", [1] * n, prompts=[f"other{j}" for j in range(n)])]
+    assert paired(other, base) is None
+    header = {"model": "m", "task": "t", "budget": "b", "machine": "x", "load_start": 0, "load_end": 0, "date": "d", "total_s": 1}
+    md = seeds_table({"base": base, "meth": failed}, header, "base")
+    row = next(line for line in md.splitlines() if line.startswith("| meth |"))
+    assert "| 2 (1 failed) |" in row and "+0.200 [" in row
 
 
 def test_accuracy_bands_align_seeds_by_evaluation_not_by_step():

@@ -14,6 +14,7 @@ from gcfamily.stats import (
     mean_interval,
     paired_bootstrap,
     pass_at_k,
+    seeds_bootstrap,
     t_quantile,
     wilson,
 )
@@ -239,6 +240,53 @@ def test_paired_bootstrap_refuses():
         paired_bootstrap([1, float("nan")], [1, 0])
     with pytest.raises(ValueError, match="no items"):
         paired_bootstrap([], [])
+
+
+# ---------------------------------------------------------------- seeds_bootstrap
+
+
+def test_seeds_bootstrap_matches_exact_enumeration_of_both_levels():
+    # A: seed 0 right on prompt 0 only, seed 1 on none; baseline (one seed) on none. A resample draws A's two seeds
+    # (c of them seed 0: 0, 1, 2 with probability 1/4, 1/2, 1/4) and the two prompts (j of them prompt 0, the same
+    # law); its difference is j * c / 4, so P(diff <= 0) = 1 - 3/4 * 3/4 = 7/16 -> p = 7/8, and P(diff = 1) = 1/16 > 2.5%.
+    r = seeds_bootstrap([[1, 0], [0, 0]], [[0, 0]], n_boot=40000, seed=1)
+    assert r["diff"] == 0.25 and r["n"] == 2 and r["seeds"] == (2, 1)
+    assert r["p_value"] == pytest.approx(7 / 8, abs=0.02)
+    assert (r["lo"], r["hi"]) == (0.0, 1.0) and r["significant"] is False
+    # The same answers as four independent items: P(mean <= 0) = (3/4)^4 -> p = 0.63, a different law
+    assert paired_bootstrap([1, 0, 0, 0], [0, 0, 0, 0], n_boot=40000, seed=1)["p_value"] == pytest.approx(2 * 0.75**4, abs=0.02)
+
+
+def test_seeds_bootstrap_with_one_seed_each_is_the_paired_bootstrap_over_prompts():
+    a, b = [1, 0, 1, 1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 0, 0, 1, 0, 0, 1, 1]
+    r, q = seeds_bootstrap([a], [b], n_boot=20000, seed=2), paired_bootstrap(a, b, n_boot=20000, seed=2)
+    assert r["diff"] == q["diff"] == pytest.approx(0.3)
+    assert r["lo"] == pytest.approx(q["lo"], abs=0.051) and r["hi"] == pytest.approx(q["hi"], abs=0.051)
+    assert r["p_value"] == pytest.approx(q["p_value"], abs=0.02)
+
+
+def test_seeds_bootstrap_holds_the_spread_between_seeds():
+    # 300 prompts, three seeds each. The baseline is right on 60% in every seed; the method on 90%, 50%, 70%: its mean is
+    # 0.1 higher, but one seed is below the baseline. Over the 900 (seed, prompt) pairs as independent items the
+    # difference looks certain; with the seeds resampled it is not.
+    n = 300
+    base = [[1.0 if i % 10 < 6 else 0.0 for i in range(n)] for _ in range(3)]
+    meth = [[1.0 if (i * 7 + s) % 10 < k else 0.0 for i in range(n)] for s, k in enumerate((9, 5, 7))]
+    flat = paired_bootstrap([x for row in meth for x in row], [x for row in base for x in row], n_boot=5000)
+    two = seeds_bootstrap(meth, base, n_boot=5000)
+    assert flat["diff"] == pytest.approx(0.1) and two["diff"] == pytest.approx(0.1)
+    assert flat["significant"] is True and two["significant"] is False
+    assert two["lo"] < 0.0 < two["hi"] and two["hi"] - two["lo"] > 3 * (flat["hi"] - flat["lo"])
+    assert seeds_bootstrap(meth, base, n_boot=5000) == two  # a function of its inputs and seed
+
+
+def test_seeds_bootstrap_refuses():
+    with pytest.raises(ValueError, match="same prompts"):
+        seeds_bootstrap([[1, 0, 1]], [[1, 0]])
+    with pytest.raises(ValueError, match="NaN"):
+        seeds_bootstrap([[1, float("nan")]], [[1, 0]])
+    with pytest.raises(ValueError, match="no scores"):
+        seeds_bootstrap([], [[1]])
 
 
 # ---------------------------------------------------------------- pass_at_k
