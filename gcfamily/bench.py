@@ -86,9 +86,18 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
 
 
 def finished_run(folder: Path, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The launch record of a run in `folder` that finished with exactly this spec, else None."""
+    """The launch record of a run in `folder` that finished with exactly this spec, else None.
+
+    Where the run was written (output_dir, however the path was spelled: relative or absolute) and which run's start
+    evaluation it copied are not compared: the run in `folder` is the one asked about, and a copied start evaluation
+    equals the computed one.
+    """
+    def setting_part(s: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in s.items() if k != "start_eval_from"},
+                "settings": {k: v for k, v in s.get("settings", {}).items() if k != "output_dir"}}
+
     try:
-        same = json.loads((folder / "bench_spec.json").read_text()) == spec
+        same = setting_part(json.loads((folder / "bench_spec.json").read_text())) == setting_part(json.loads(json.dumps(spec)))
         proc = json.loads((folder / "bench_proc.json").read_text())
     except (OSError, ValueError):
         return None

@@ -55,6 +55,21 @@ def test_quick_bench_writes_table_plots_and_json(gcf, tmp_path):
     assert json.loads((out / "bench.json").read_text())["results"]["grpo"]["steps"] == 2
 
 
+def test_a_finished_run_is_kept_however_its_folder_was_spelled(tmp_path, monkeypatch):
+    from gcfamily.bench import finished_run
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs" / "b" / "sft"
+    folder.mkdir(parents=True)
+    spec = {"method_spec": "sft", "settings": {"lr": 1e-5, "output_dir": "runs/b/sft"}, "start_eval_from": "runs/b/rft"}
+    (folder / "bench_spec.json").write_text(json.dumps(spec))
+    (folder / "bench_proc.json").write_text(json.dumps({"returncode": 0, "wall_s": 1.0}))
+    (folder / "bench_child.json").write_text("{}")
+    absolute = {"method_spec": "sft", "settings": {"lr": 1e-5, "output_dir": str(folder)}, "start_eval_from": str(tmp_path / "runs/b/rft")}
+    assert finished_run(folder, absolute) == {"returncode": 0, "wall_s": 1.0}  # the same run, its path spelled otherwise
+    assert finished_run(folder, {**absolute, "settings": {"lr": 3e-5, "output_dir": str(folder)}}) is None  # other settings: run again
+
+
 def start_details(folder):
     """A run's per-prompt record of its evaluation before the first step."""
     return next(r for r in (json.loads(x) for x in (folder / "eval_details.jsonl").read_text().splitlines() if x.strip()) if r["step"] == 0)
