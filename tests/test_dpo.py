@@ -211,6 +211,29 @@ def test_batches_keep_pairs_and_reference(tmp_path):
     assert simpo.method.ref == {} and "ref_logps" not in simpo.method.data(0)
 
 
+def test_an_open_budget_scores_the_pairs_as_the_steps_reach_them(tmp_path, monkeypatch):
+    """With max_time (or max_tokens, max_flops) the steps are not known ahead: past _UPFRONT_PAIRS pairs, the reference
+    log-probs are scored by a kept pi_ref as each step reaches its pairs, not for the whole pool before training; the
+    training is the same as with every pair scored up front."""
+    import gcfamily.methods.dpo as dpo
+
+    settings = dict(method="dpo", task="sorting", max_steps=3, batch_size=4, micro_batch_size=8, lr=1e-3)
+    upfront = _trainer(tmp_path / "a", **settings)
+    assert upfront.method.ref_model is None and len(upfront.method.ref) == 2 * 12  # the 12 pairs 3 steps read
+    monkeypatch.setattr(dpo, "_UPFRONT_PAIRS", 8)
+    lazy = _trainer(tmp_path / "b", **settings, max_time=3600.0)
+    assert lazy.method.ref_model is not None and lazy.method.ref == {} and len(lazy.method.pairs) > 1000
+    for tr in (upfront, lazy):
+        tr.run()
+    assert len(lazy.method.ref) == 2 * 12  # scored as reached: the 12 pairs of 3 steps, out of the whole pool
+    for k in upfront.method.ref:
+        assert torch.allclose(lazy.method.ref[k], upfront.method.ref[k], atol=1e-6)
+    for p, q in zip(upfront.policy.parameters(), lazy.policy.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)  # pi_ref stayed the initial policy while the policy trained
+    changed = any(not torch.equal(p, q) for p, q in zip(upfront.policy.parameters(), lazy.method.ref_model.parameters()))
+    assert changed
+
+
 def test_conversational_dataset(tmp_path):
     """Chat-message rows (with an explicit or an implicit prompt) from a local JSONL file."""
     path = tmp_path / "prefs.jsonl"

@@ -30,6 +30,10 @@ from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, iter_chunks
 from gcfamily.preferences import preference_rows
 
+_UPFRONT_PAIRS = 512
+"""Under an open budget (max_time, max_tokens or max_flops: the steps are not known ahead) a pool of more pairs than this
+is scored as the steps reach it, by a kept pi_ref, instead of all before training."""
+
 
 class DPO(Method):
     """DPO (Rafailov et al. 2023, arXiv:2305.18290): loss -log sigmoid(h_w - h_l), h = beta * sum_t log(pi/pi_ref).
@@ -69,24 +73,26 @@ class DPO(Method):
         data = self.load_data(trainer)
         self.pairs, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(trainer.tokenizer)
-        self.ref: dict[tuple[int, int], torch.Tensor] = self._reference_logps(trainer) if self.uses_reference else {}
+        self.ref: dict[tuple[int, int], torch.Tensor] = {}
+        self.ref_model = None  # pi_ref kept to score pairs as the steps reach them (an open budget over a large pool)
+        if self.uses_reference:
+            cfg, n = self.cfg, len(self.pairs)
+            reach = min(n, cfg.max_steps * cfg.batch_size)  # steps 0..max_steps-1 read the first reach positions of the data order
+            if (cfg.max_time or cfg.max_tokens or cfg.max_flops) and reach > _UPFRONT_PAIRS:
+                self.ref_model = trainer.reference()  # the policy before any update: a frozen copy, or with LoRA the adapters off
+            else:
+                # setup runs before any update (and before a resumed checkpoint is loaded), so the policy here IS the
+                # reference: no copy is made and no reference model stays in memory
+                self.ref = self._reference_logps(trainer.policy, sorted(set(epoch_indices(n, cfg.seed, 0, reach))))
 
-    def _reference_logps(self, trainer) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
-        """pi_ref log-probs of the completion tokens of every pair this run trains on, computed once.
-
-        setup runs before any update (and before a resumed checkpoint is loaded), so the policy
-        here IS the reference: no copy is made and no reference model stays in memory.
-        """
-        cfg, n = self.cfg, len(self.pairs)
-        # steps 0..max_steps-1 read the first max_steps*batch_size positions of the data order
-        used = sorted(set(epoch_indices(n, cfg.seed, 0, min(n, cfg.max_steps * cfg.batch_size))))
-        rows = sorted(((i, s) for i in used for s in (1, 2)), key=lambda r: len(self.pairs[r[0]][0]) + len(self.pairs[r[0]][r[1]]))
-        model = trainer.policy
+    def _reference_logps(self, model, pairs: list[int]) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
+        """pi_ref log-probs of the completion tokens of the given pairs (chosen and rejected), by `model` as pi_ref."""
+        rows = sorted(((i, s) for i in pairs for s in (1, 2)), key=lambda r: len(self.pairs[r[0]][0]) + len(self.pairs[r[0]][r[1]]))
         was_training = model.training
         model.eval()
         ref = {}
-        for chunk in iter_chunks(rows, cfg.micro_batch_size):  # length-sorted: little padding
-            lp = trainer.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
+        for chunk in iter_chunks(rows, self.cfg.micro_batch_size):  # length-sorted: little padding
+            lp = self.trainer.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
             for b, (i, s) in enumerate(chunk):
                 start = len(self.pairs[i][0])
                 ref[(i, s)] = lp[b, start : start + len(self.pairs[i][s])].clone()
@@ -99,6 +105,9 @@ class DPO(Method):
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
         batch["example_weight"] = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
         if self.uses_reference:
+            if self.ref_model is not None:  # every rank scores the step's whole global batch: the same forwards on each (FSDP)
+                new = sorted({i for i in epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size) if (i, 1) not in self.ref})
+                self.ref.update(self._reference_logps(self.ref_model, new))
             ref = torch.zeros(batch["input_ids"].shape)  # [B, L]
             for b, (i, s) in enumerate(rows):
                 if (i, s) not in self.ref:
