@@ -48,7 +48,7 @@ class DPO(Method):
     default_norm = "sum"
     rows_per_example = 2
     uses_reference = True
-    """Whether h needs pi_ref log-probs (computed once per pair in `setup`)."""
+    """Whether h needs pi_ref log-probs (computed once per pair: in `setup`, or under an open budget as the steps reach it)."""
 
     @dataclass
     class Settings(MethodSettings):
