@@ -108,13 +108,15 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     groups, heads, room = [], [], []  # packed rows: their rows, their prefix row, room left
     for g, head in zip(members, prefix_rows):
         mine = []  # packed rows of this group (they all start with its prefix)
-        for b in sorted(g, key=lambda b: lo[b] - hi[b]):  # longest first, first fit
+        order = sorted(g, key=lambda b: lo[b] - hi[b])  # longest first
+        for b in order:  # first fit: as few packed rows as the cap allows
             n = hi[b] - lo[b]
             k = next((k for k in mine if room[k] >= n), None)
             if k is None:
                 k = len(groups)
                 groups.append([]); heads.append(head); room.append(cap - S); mine.append(k)
             groups[k].append(b); room[k] -= n
+        _balance(order, mine, groups, room, [hi[b] - lo[b] for b in range(B)])
     if split is None and (len(groups) == B or all(h - l == L for h, l in zip(hi, lo))):
         return None  # nothing to share, and no padding to drop: the plain pass is as cheap
     lengths = [S + sum(hi[b] - lo[b] for b in g) for g in groups]
@@ -140,6 +142,26 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     allowed = (same & preal[:, None, :] & (j <= i)) | (i == j)  # every query sees itself: no all-masked row
     send = {"device": device, "non_blocking": True}  # no wait for the device: the copies queue behind its work
     return Packing(ids.to(**send), ppos.to(**send), allowed[:, None].to(**send), source.to(**send), S)
+
+
+def _balance(order: list[int], mine: list[int], groups: list[list[int]], room: list[int], size: list[int]) -> None:
+    """Spread a group's rows (`order`, longest first) over its packed rows `mine` so the longest packed row is as short as
+    the greedy rule makes it: each row goes to the packed row with the most room left. First fit fills the first packed
+    rows and leaves the last nearly empty, and every packed row is padded to the longest: 8 rows of 64 tokens behind a
+    40-token prompt made rows of 488 and 104 tokens, 976 columns of compute and activations; balanced, 2 x 296. Kept
+    only where it shortens the longest packed row (so no row passes the cap); the rows' order within a packed row
+    does not change any hidden state (the block-causal mask)."""
+    if len(mine) < 2:
+        return
+    free = {k: room[k] + sum(size[b] for b in groups[k]) for k in mine}  # each packed row's room when empty
+    new = {k: [] for k in mine}
+    left = dict(free)
+    for b in order:
+        k = max(mine, key=lambda k: (left[k], -k))  # the most room; ties to the first
+        new[k].append(b); left[k] -= size[b]
+    if min(left.values()) > min(room[k] for k in mine):
+        for k in mine:
+            groups[k], room[k] = sorted(new[k]), left[k]
 
 
 PACKED_ATTENTION = ("sdpa", "eager")

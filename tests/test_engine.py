@@ -208,6 +208,26 @@ def test_packing_without_a_shared_prefix_matches_naive():
     _assert_packed_matches_naive(model, batch, g)
 
 
+def test_packed_rows_are_balanced_under_the_cap(monkeypatch):
+    """Rows that need more than one packed row are spread evenly (GRPO's 8 samples of 64 tokens behind a 40-token prompt:
+    2 x 296 columns, not 488 + 104 padded to 2 x 488), with the same log-probs and gradient as the padded pass."""
+    from gcfamily import packing as packing_mod
+
+    G, P, C = 8, 5, 8
+    ids = torch.cat([torch.arange(3, 3 + P).repeat(G, 1), torch.randint(3, 50, (G, C), generator=torch.Generator().manual_seed(1))], 1)
+    ones = torch.ones_like(ids)
+    loss = torch.cat([torch.zeros(G, P, dtype=torch.long), torch.ones(G, C, dtype=torch.long)], 1)
+    monkeypatch.setattr(packing_mod, "PACK_LENGTH", P + 7 * C)  # first fit: 7 rows, then 1
+    packed = engine.pack_rows(ids, ones, loss)
+    assert packed.input_ids.shape == (2, P - 1 + 4 * (C + 1))  # the prefix once per packed row, then 4 rows each
+    batch = _grouped_batch(n_prompts=2, G=6, P=12, C=9, seed=3)  # ragged completions, two prompts: balanced per prompt
+    monkeypatch.setattr(packing_mod, "PACK_LENGTH", 11 + 30)
+    packed = engine.pack_rows(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    real = batch["attention_mask"][:, 11:].sum(1).tolist()
+    assert packed.input_ids.shape[0] == 4 and packed.input_ids.shape[1] < 11 + max(30, max(real)) - 1
+    _assert_packed_matches_naive(tiny_model(50, seed=4), batch, torch.Generator().manual_seed(5))
+
+
 def test_packing_is_skipped_when_rows_fill_the_batch():
     batch = {"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": torch.ones(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5, dtype=torch.long)}
     assert engine.pack_rows(**batch) is None
