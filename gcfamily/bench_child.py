@@ -96,7 +96,10 @@ def heldout_prompts(trainer: Any, n: int) -> tuple[list[dict[str, Any]], Any]:
 
 
 def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
-    """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy."""
+    """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy.
+
+    log pi is the log-prob each token was sampled with (the rollout's, at temperature 1 over the full distribution),
+    so only pi_ref scores the samples: one forward pass over them instead of two."""
     import torch
 
     from gcfamily.models import load_model
@@ -112,7 +115,7 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
                   SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
     batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
     ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model
-    lp, lr = trainer.logprobs(policy, batch), trainer.logprobs(ref.eval(), batch)  # [N, L] each
+    lp, lr = ro.sample_logps.float().cpu(), trainer.logprobs(ref.eval(), batch)  # [N, L] each
     mask = batch["loss_mask"].bool()
     d = (lr - lp).double()[mask]
     return float((torch.expm1(d) - d).mean()) if d.numel() else None

@@ -1,5 +1,6 @@
 """`gcf bench` end to end on the tiny model, and the token / time budgets it stops runs on."""
 
+import contextlib
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from conftest import metrics_rows
 from gcfamily.bench import DEFAULT_METHODS, SUITES, check_sets, default_methods, method_name, parse_budget, run_settings
 from gcfamily.config import resolve
 from gcfamily.errors import GcfError
+from gcfamily.trainer import Trainer
 
 
 METHODS = ["sft", "grpo", "dpo"]  # one of each data source; every child pays a few seconds of imports
@@ -401,3 +403,44 @@ def test_validation_rows_never_train(tmp_path):
     held = {r["prompt"] for r in tr.validation_rows()}
     assert len(held) == 10 and not held & {r["prompt"] for r in tr.training_rows()}
     tr.lock.release()
+
+
+def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
+    """The bench's KL: mean over the sampled tokens of exp(d) - 1 - d, d = log pi_ref - log pi, equal to the same figure
+    from plain, unpacked forwards of both models over each row (an oracle sharing no code with the engine)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gcfamily import bench_child
+    from gcfamily.formats import Formatter
+    from gcfamily.models import tiny_model, tiny_tokenizer
+    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.tasks import get_task
+
+    tok = tiny_tokenizer()
+    policy, ref = tiny_model(len(tok), seed=1).eval(), tiny_model(len(tok), seed=2).eval()
+    monkeypatch.setattr("gcfamily.models.load_model", lambda *a, **k: (ref, tok))
+    task, fmt = get_task("arithmetic", seed=0), Formatter(tok)
+    cfg = SimpleNamespace(seed=0, max_new_tokens=6, model="tiny", trust_remote_code=False, validation_rows=0, micro_batch_size=4,
+                          chunk_size=256, share_prefix=True)
+    trainer = SimpleNamespace(cfg=cfg, method=SimpleNamespace(trains_policy=True), task=task, tokenizer=tok, formatter=fmt,
+                              unwrapped_policy=lambda: policy, dtype=torch.float32, device="cpu", dist=None, autocast=contextlib.nullcontext)
+    trainer.logprobs = lambda model, batch: Trainer.logprobs(trainer, model, batch)
+    got = bench_child.kl_to_reference(trainer, 5)
+    rows = task.heldout_rows(5)
+    ro = generate(policy, tok, [fmt.prompt_ids(r["prompt"]) for r in rows], 1, SamplingSettings(temperature=1.0, max_new_tokens=6),
+                  torch.Generator().manual_seed(cfg.seed + 1))
+    ds = []
+    with torch.no_grad():
+        for ids, am, cm in zip(ro.input_ids, ro.attention_mask, ro.completion_mask):
+            keep = am.bool()
+            x, on = ids[keep][None], cm[keep].bool()
+            lp = {}
+            for name, m in (("pi", policy), ("ref", ref)):
+                logp = m(input_ids=x).logits[0, :-1].double().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+                lp[name] = logp[on[1:]]
+            ds.append(lp["ref"] - lp["pi"])
+    d = torch.cat(ds)
+    assert d.numel() > 5 and d.abs().max() > 0.01  # two different models, several tokens
+    assert got == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-4)
