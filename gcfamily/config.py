@@ -122,6 +122,11 @@ class Config(DataSettings):
     """auto | on | off: decode through a fixed-shape step compiled with torch.compile (CUDA graphs on a GPU; gcfamily/decode.py);
     auto compiles on CUDA only, where the rollout is launch-bound (on the CPU the compiled step measured slower than eager).
     Models whose layers are not all full attention through SDPA decode eagerly either way."""
+    rollout_pack_weights: bool = True
+    """CPU float32 sampling and evaluation run the linear layers through oneDNN on a packed copy of their weights, made when a
+    rollout starts and freed when it ends (gcfamily/onednn.py): 1.2-2.2x faster, but a second copy of the weights while
+    sampling (540 MB for SmolLM2-135M). false samples on the plain weights, for the lowest peak memory (LoRA with
+    activation checkpointing, where the rollout sets the peak). The same tokens up to float32 rounding either way."""
     reward: Optional[str | list] = None
     """Reward(s): a built-in name (numeric, exact, boxed), module:function or path/file.py:function, or a list of them
     (--reward repeated, reward=[a,b]) summed with reward_weights; None takes the task's reward. Built-ins, the task's reward

@@ -15,6 +15,7 @@ Results equal `F.linear` to float32 rounding (a different summation order), as t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +23,19 @@ from torch import nn
 
 ENABLED = True
 """Switch for tests and benchmarks; the packed path is taken only where `available()` too."""
+
+_PACK = contextvars.ContextVar("gcfamily_onednn_pack", default=True)
+
+
+@contextlib.contextmanager
+def packing(on: bool) -> Iterator[None]:
+    """Inside the block, `packed_linears` packs weights only if `on` (a run's `rollout_pack_weights`): off, sampling runs on
+    the plain weights, slower on the CPU but without the second copy of them."""
+    token = _PACK.set(bool(on))
+    try:
+        yield
+    finally:
+        _PACK.reset(token)
 
 
 def available() -> bool:
@@ -77,7 +91,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     weights must not change inside the block: the packed copies would go stale.
     """
     # under autocast the layers compute in its dtype: packed float32 kernels would compute another function
-    on = ENABLED and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and available()
+    on = ENABLED and _PACK.get() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and available()
     mods = [m for m in model.modules() if _eligible(m)] if on else []
     packed: dict[tuple, torch.Tensor] = {}  # by weight memory and shape: a tied head and embedding pack once
     try:

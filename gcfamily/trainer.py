@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gcfamily import engine, lora, precision, runfolder
+from gcfamily import engine, lora, onednn, precision, runfolder
 from gcfamily.config import Config, resolve_settings, to_dict, validate
 from gcfamily.data import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
@@ -275,6 +275,8 @@ class Trainer(RunFolder, Evaluation, Saving):
         self.started = time.perf_counter()
         restore_handlers = self._install_signal_handlers()
         bar = self._progress()
+        packing = onednn.packing(cfg.rollout_pack_weights)  # rollouts and evaluations of this run
+        packing.__enter__()
         try:
             if cfg.eval_at_ends and self.step == 0:
                 self.logger.log(0, self.evaluate())
@@ -337,6 +339,7 @@ class Trainer(RunFolder, Evaluation, Saving):
             if self.is_main:
                 self.write_card()
         finally:
+            packing.__exit__(None, None, None)
             restore_handlers()
             if bar is not None:
                 bar.close()

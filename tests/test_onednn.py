@@ -95,3 +95,34 @@ def test_linear_equals_f_linear(dtype):
     for bias in (None, b):
         torch.testing.assert_close(onednn.linear(x, w, bias), nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(onednn.linear(x, w.t().contiguous().t()), x @ w.t(), rtol=1e-5, atol=1e-5)  # strided weight
+
+
+def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
+    """`onednn.packing(False)` (a run's rollout_pack_weights: false) samples on the plain weights; the run's rollouts and
+    evaluations pack nothing, the default run packs every one, and the setting is undone when the run ends."""
+    import contextlib
+
+    from gcfamily import rollout
+    from gcfamily.config import Config
+    from gcfamily.trainer import Trainer
+
+    with torch.no_grad(), onednn.packing(False), packed_linears(model, 4) as n:
+        assert n == 0 and not any("forward" in m.__dict__ for m in model.modules())
+    counts = {}
+    real = rollout.packed_linears
+
+    @contextlib.contextmanager
+    def spy(m, rows):
+        with real(m, rows) as k:
+            counts.setdefault(flag, []).append(k)
+            yield k
+
+    monkeypatch.setattr(rollout, "packed_linears", spy)
+    for flag in (True, False):
+        Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / str(flag)), max_steps=1, batch_size=2,
+                       group_size=2, max_new_tokens=4, eval_at_ends=True, eval_samples=4, progress=False, save_every=0,
+                       rollout_pack_weights=flag)).run()
+    assert len(counts[True]) >= 3 and all(k > 0 for k in counts[True])  # evaluation, the step's rollout, evaluation
+    assert len(counts[False]) >= 3 and all(k == 0 for k in counts[False])
+    with torch.no_grad(), packed_linears(model, 4) as n:  # the default is back after the run
+        assert n > 0
