@@ -62,8 +62,11 @@ def heldout_accuracy(model: Any, tokenizer: Any, task: Any, n: int = 64, max_new
 
 @torch.no_grad()
 def sampled_pass_at_k(model: Any, formatter: Formatter, rows: list[dict[str, Any]], reward: Any, k: int, temperature: float = 1.0,
-                      max_new_tokens: int = 32, seed: int = 0, batch_prompts: int = 8) -> dict[int, float]:
-    """pass@j for j = 1..k: k sampled completions per prompt, c of them scoring >= 1, the unbiased estimator averaged over prompts."""
+                      max_new_tokens: int = 32, seed: int = 0, batch_prompts: int = 16) -> dict[int, float]:
+    """pass@j for j = 1..k: k sampled completions per prompt, c of them scoring >= 1, the unbiased estimator averaged over prompts.
+
+    batch_prompts x k rows are sampled at once: 16 x 8 took 33-36 s for 64 sorting-short prompts on SmolLM2-135M (2 threads),
+    8 x 8 43-48 s."""
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
     from gcfamily.stats import pass_at_k
