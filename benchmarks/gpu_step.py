@@ -9,6 +9,8 @@ configs: timings depend on shapes, not on weight values), it prints and writes a
 - a GRPO step (8 x 8, the same new tokens, beta 0.04) through the real trainer, bf16 compute over
   float32 master weights (on CUDA): seconds per step, its generation share, training tokens/s, the
   training FLOP rate as a share of the chip's bf16 matmul rate measured in the same run, and peak memory.
+- the same GRPO step with LoRA adapters (`--lora`, rank 16 on CUDA; for `--lora-models`, the Qwen2.5-0.5B shape by
+  default): s/step, training tokens/s and peak memory against full fine-tuning's, the reference being the adapters off.
 
 It runs from the working tree with nothing installed (`PYTHONPATH=.`), importing only torch,
 transformers and the project (no `datasets`, no `gguf`): the tokenizer is the built-in character-level
@@ -109,7 +111,7 @@ def decode_figures(trainer, new_tokens: int, mode: str, reps: int) -> dict:
             "generated_tokens_per_s": 64 * new_tokens / total}
 
 
-def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float) -> dict:
+def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float, lora_r: int = 0) -> dict:
     import gcfamily.rollout as rollout
     from gcfamily.config import Config
     from gcfamily.logger import read_metrics
@@ -118,7 +120,8 @@ def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str,
     out = Path(tempfile.mkdtemp(prefix=f"gpu-step-{name}-{mode}-"))
     cfg = Config(method="grpo", model=name, task="arithmetic", max_steps=steps, output_dir=str(out), progress=False, device=device,
                  dtype="bfloat16" if device == "cuda" else "float32", lr=1e-6, save_every=0, batch_size=8, group_size=8,
-                 max_new_tokens=new_tokens, micro_batch_size=64, beta=0.04, rollout_compile=mode, report_to="none")
+                 max_new_tokens=new_tokens, micro_batch_size=64, beta=0.04, rollout_compile=mode, report_to="none",
+                 **(dict(lora_r=lora_r, lora_alpha=2.0 * lora_r) if lora_r else {}))
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -148,7 +151,7 @@ def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str,
     gen_s = sum(r["time/data_s"] for r in rows) / len(rows)
     train_s = step_s - gen_s
     flops = sum((6 + 2 * f) * params * t for f, t in zip(fw, tok)) / len(tok)
-    return {"model": name, "params": params, "mode": mode, **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
+    return {"model": name, "params": params, "mode": mode, "lora_r": lora_r, **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
             "step_s": step_s, "generation_s": gen_s, "train_s": train_s, "train_tokens_per_step": sum(tok) / len(tok),
             "train_tokens_per_s": sum(tok) / len(tok) / max(train_s, 1e-9), "train_share_of_matmul": flops / max(train_s, 1e-9) / rate,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
@@ -162,6 +165,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per model and mode (the first is not counted)")
     ap.add_argument("--reps", type=int, default=2, help="timed rollouts per mode (the fastest is kept)")
     ap.add_argument("--modes", default="off,on", help="rollout_compile values to compare")
+    ap.add_argument("--lora", type=int, default=None, help="also a GRPO run with LoRA adapters of this rank (default 16 on CUDA, off on the CPU)")
+    ap.add_argument("--lora-models", default="qwen2.5-0.5b-shaped", help="the models (of --model) the LoRA run is made for")
     ap.add_argument("--json", default=None, help="also write every figure here")
     a = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -184,7 +189,19 @@ def main() -> None:
                   f"{r['decode_generated_tokens_per_s']:.0f} generated tok/s (first call {r['decode_first_call_s']:.1f} s); "
                   f"GRPO step {r['step_s']:.3f} s (generation {r['generation_s']:.3f}), training {r['train_tokens_per_s']:.0f} tok/s "
                   f"= {100 * r['train_share_of_matmul']:.1f}% of matmul{mem} [{r['wall_s']:.0f} s]", flush=True)
-        by = {r["mode"]: r for r in results if r["model"] == name}
+        by = {r["mode"]: r for r in results if r["model"] == name and not r["lora_r"]}
+        lora_r = a.lora if a.lora is not None else (16 if a.device == "cuda" else 0)
+        if lora_r and name in a.lora_models.split(","):  # the same step with adapters: full fine-tuning against LoRA
+            mode = a.modes.split(",")[-1]
+            t = time.perf_counter()
+            r = grpo_figures(name, a.device, new_tokens, a.steps, mode, a.reps, rate, lora_r)
+            r["wall_s"] = time.perf_counter() - t
+            results.append(r)
+            full = by[mode]
+            mem = (f", peak {r['peak_memory_gb']:.2f} GB against {full['peak_memory_gb']:.2f} GB "
+                   f"({r['peak_memory_gb'] / full['peak_memory_gb']:.2f})") if r["peak_memory_gb"] is not None else ""
+            print(f"{name} LoRA r={lora_r} (rollout_compile={mode}): GRPO step {r['step_s']:.3f} s against {full['step_s']:.3f} s full "
+                  f"(generation {r['generation_s']:.3f}), training {r['train_tokens_per_s']:.0f} tok/s{mem} [{r['wall_s']:.0f} s]", flush=True)
         if "off" in by and "on" in by:
             print(f"{name}: compiled / eager: step {by['off']['step_s'] / by['on']['step_s']:.2f}x faster, decode "
                   f"{by['off']['decode_decode_ms_per_token'] / by['on']['decode_decode_ms_per_token']:.2f}x faster", flush=True)

@@ -64,7 +64,7 @@ def model_source(name: str) -> str:
     return str(folder)
 
 
-def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = False) -> None:
+def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = False, pack: bool = True) -> None:
     """One run in this process: `steps` GRPO steps; prints one JSON line of figures."""
     import torch
 
@@ -72,7 +72,8 @@ def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = Fal
     from gcfamily.trainer import Trainer
 
     torch.set_num_threads(2)
-    cfg = Config(model=model_source(model), output_dir=out, max_steps=steps, activation_checkpointing=checkpointing, **STEP,
+    cfg = Config(model=model_source(model), output_dir=out, max_steps=steps, activation_checkpointing=checkpointing,
+                 rollout_pack_weights=pack, **STEP,
                  **(LORA if mode == "lora" else {}))
     tr = Trainer(cfg)
     tr.save_final = lambda: None  # what is measured is training; skip writing the final model
@@ -95,11 +96,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run (the first is left out of s/step)")
     ap.add_argument("--work", default="runs/bench-memory")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in the backward, in both modes")
+    ap.add_argument("--no-pack-weights", action="store_true",
+                    help="rollout_pack_weights=false in both modes: sample on the plain weights, no oneDNN packed copy")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         model, mode, steps = args.child
-        child(model, mode, int(steps), str(Path(args.work) / f"{model}-{mode}"), args.activation_checkpointing)
+        child(model, mode, int(steps), str(Path(args.work) / f"{model}-{mode}"), args.activation_checkpointing, not args.no_pack_weights)
         return
     results = []
     for model in args.models.split(","):
@@ -107,6 +110,7 @@ def main() -> None:
         for mode in ("full", "lora"):
             cmd = [sys.executable, __file__, "--work", args.work, "--child", model, mode, str(args.steps)]
             cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
+            cmd += ["--no-pack-weights"] if args.no_pack_weights else []
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 sys.exit(f"{model} {mode} failed:\n{res.stderr[-3000:]}")

@@ -116,15 +116,16 @@ def test_gpu_step_script_runs_on_the_cpu_without_datasets_or_gguf(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu_step.json"
-    args = ["--device", "cpu", "--model", "tiny", "--new-tokens", "8", "--steps", "2", "--reps", "1", "--json", str(out)]
+    args = ["--device", "cpu", "--model", "tiny", "--new-tokens", "8", "--steps", "2", "--reps", "1", "--json", str(out), "--lora", "4",
+            "--lora-models", "tiny"]
     r = subprocess.run([sys.executable, "-c", BLOCK, *args], cwd=root, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [x["mode"] for x in data["results"]] == ["off", "on"]
+    assert [(x["mode"], x["lora_r"]) for x in data["results"]] == [("off", 0), ("on", 0), ("on", 4)]  # the last: LoRA against full
     for x in data["results"]:
         assert x["decode_generated_tokens_per_s"] > 0 and x["step_s"] > 0 and x["train_tokens_per_s"] > 0
-    assert "compiled / eager" in r.stdout
+    assert "compiled / eager" in r.stdout and "LoRA r=4" in r.stdout
 
 
 def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
