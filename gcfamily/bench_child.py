@@ -98,8 +98,10 @@ def heldout_prompts(trainer: Any, n: int) -> tuple[list[dict[str, Any]], Any]:
 def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy.
 
-    log pi is the log-prob each token was sampled with (the rollout's, at temperature 1 over the full distribution),
-    so only pi_ref scores the samples: one forward pass over them instead of two."""
+    In float32, log pi is the log-prob each token was sampled with (the rollout's, at temperature 1 over the full
+    distribution), so only pi_ref scores the samples: one forward pass over them instead of two. In a narrower compute
+    dtype the sampler's and the scoring pass's roundings differ (they would not cancel as pi nears pi_ref, and k3 would
+    gain a positive bias), so both models score the samples through the same pass."""
     import torch
 
     from gcfamily.models import load_model
@@ -115,7 +117,9 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
                   SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
     batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
     ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model
-    lp, lr = ro.sample_logps.float().cpu(), trainer.logprobs(ref.eval(), batch)  # [N, L] each
+    float32 = getattr(getattr(trainer, "precision", None), "compute", torch.float32) == torch.float32
+    lp = ro.sample_logps.float().cpu() if float32 else trainer.logprobs(policy, batch)  # [N, L]
+    lr = trainer.logprobs(ref.eval(), batch)  # [N, L]
     mask = batch["loss_mask"].bool()
     d = (lr - lp).double()[mask]
     return float((torch.expm1(d) - d).mean()) if d.numel() else None
@@ -147,8 +151,26 @@ def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
     return True
 
 
+def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
+    """The finished run's KL to the reference and pass@k on (up to) 64 held-out prompts, with their times."""
+    t1 = time.perf_counter()
+    out: dict[str, Any] = {"kl_ref": kl_to_reference(trainer, min(cfg.eval_samples, 64))}
+    out["kl_s"] = time.perf_counter() - t1
+    rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, 64))
+    if rows:  # pass@k beside greedy accuracy: k samples per held-out prompt
+        from gcfamily.evaluate import sampled_pass_at_k
+
+        t2 = time.perf_counter()
+        k = max(cfg.group_size, 1)
+        out["pass_at_k"] = sampled_pass_at_k(trainer.unwrapped_policy(), trainer.formatter, rows, reward, k,
+                                             cfg.temperature, cfg.max_new_tokens, cfg.seed + 2)
+        out["pass_s"] = time.perf_counter() - t2
+    return out
+
+
 def child(spec_path: str) -> None:
     """Run one method as a normal Trainer run; write the GC record and the KL next to its metrics."""
+    from gcfamily import onednn
     from gcfamily.config import resolve
     from gcfamily.trainer import Trainer
 
@@ -160,21 +182,11 @@ def child(spec_path: str) -> None:
     t0 = time.perf_counter()
     trainer.run()
     run_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    kl = kl_to_reference(trainer, min(cfg.eval_samples, 64))
-    kl_s = time.perf_counter() - t1
-    extra = {"gc": recorder.summary(), "kl_ref": kl, "kl_s": kl_s, "run_s": run_s, "steps": trainer.step,
-             "start_eval_from": spec.get("start_eval_from") if reused else None,
-             "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())}
-    rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, 64))
-    if rows:  # pass@k beside greedy accuracy: k samples per held-out prompt
-        from gcfamily.evaluate import sampled_pass_at_k
-
-        t2 = time.perf_counter()
-        k = max(cfg.group_size, 1)
-        extra["pass_at_k"] = sampled_pass_at_k(trainer.unwrapped_policy(), trainer.formatter, rows, reward, k,
-                                               cfg.temperature, cfg.max_new_tokens, cfg.seed + 2)
-        extra["pass_s"] = time.perf_counter() - t2
+    with onednn.packing(cfg.rollout_pack_weights):  # the run's setting for the rollouts below too
+        extra = _measure(trainer, cfg)
+    extra.update({"gc": recorder.summary(), "run_s": run_s, "steps": trainer.step,
+                  "start_eval_from": spec.get("start_eval_from") if reused else None,
+                  "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())})
     (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
     # the finished run keeps its final model; its resumable checkpoints (weights and optimizer state) go
     shutil.rmtree(Path(cfg.output_dir) / "checkpoints", ignore_errors=True)

@@ -96,13 +96,15 @@ def heldout_of(folder: Optional[Path], settings: dict[str, Any]) -> float:
     from gcfamily.models import load_model
     from gcfamily.tasks import get_task
 
+    from gcfamily import onednn
     from gcfamily.config import resolve
 
     cfg = resolve(None, settings)  # typed, as the run read them
     task = get_task(cfg.task, seed=cfg.seed if cfg.task_seed is None else cfg.task_seed, **cfg.task_options)
     model, tok = load_model(str(folder) if folder is not None else cfg.model, torch.float32, "cpu")
     fmt_ = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
-    return heldout_accuracy(model, tok, task, cfg.eval_samples, cfg.max_new_tokens, formatter=fmt_)
+    with onednn.packing(cfg.rollout_pack_weights):  # the run's setting
+        return heldout_accuracy(model, tok, task, cfg.eval_samples, cfg.max_new_tokens, formatter=fmt_)
 
 
 def sweep_table(key: str, values: list[str], per_method: dict[str, list[dict[str, Any]]], base_acc: float, header: dict[str, Any],

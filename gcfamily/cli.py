@@ -289,7 +289,10 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
         m, tok = load_model(model, resolve_dtype("auto", dev), dev)
         fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
         t0 = time.time()
-        out = evaluate_rows(m, fmt, rows, Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout), max_new_tokens, n=samples)
+        from gcfamily import onednn
+
+        with onednn.packing(cfg.rollout_pack_weights):
+            out = evaluate_rows(m, fmt, rows, Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout), max_new_tokens, n=samples)
         acc = f", accuracy {out['eval/accuracy']:.3f}" if "eval/accuracy" in out else ""
         click.echo(f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
                    f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s")

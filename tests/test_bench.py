@@ -444,3 +444,12 @@ def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
     d = torch.cat(ds)
     assert d.numel() > 5 and d.abs().max() > 0.01  # two different models, several tokens
     assert got == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-4)
+    # float32: the samples' own log-probs stand for pi, so pi_ref alone scores them; in a narrower compute dtype both
+    # models score them through the same pass (their roundings would not cancel otherwise)
+    scored = []
+    trainer.logprobs = lambda model, batch: scored.append(model) or Trainer.logprobs(trainer, model, batch)
+    for compute, models in ((torch.float32, [ref]), (torch.bfloat16, [policy, ref])):
+        scored.clear()
+        trainer.precision = SimpleNamespace(compute=compute)
+        assert bench_child.kl_to_reference(trainer, 5) == pytest.approx(got, rel=1e-4)  # autocast is off here: float32 either way
+        assert scored == models
