@@ -96,6 +96,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
     if split is not None:
         S, first, inverse = split
         lo = [S] * B
+        hi = [max(h, S) for h in hi]  # a row without loss tokens may end inside the prefix: it adds no tokens after it
         members: list[list[int]] = [[] for _ in range(len(first))]
         for b, g in enumerate(inverse.tolist()):
             members[g].append(b)

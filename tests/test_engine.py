@@ -277,3 +277,15 @@ def test_host_copies_give_the_same_logprobs_and_gradient():
     (a, ea, ga), (b, eb, gb) = got[True], got[False]
     assert torch.equal(a, b) and torch.equal(ea, eb) and all(torch.equal(x, y) for x, y in zip(ga, gb))
     assert (a[lm.bool()[:, :]] != 0).any() and (a[~lm.bool()] == 0).all()
+
+
+def test_rows_without_loss_tokens_that_end_inside_the_shared_prefix():
+    """Two identical short rows with no loss token beside rows whose loss starts later: the short rows add nothing after
+    the prefix (before, a negative span raised inside the packing), and every log-prob equals the padded pass."""
+    ids = torch.tensor([[5, 6, 0, 0, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0, 0], [7, 8, 9, 10, 11, 12, 13, 0], [7, 8, 9, 10, 11, 14, 15, 16]])
+    am = (ids > 0).long()
+    lm = torch.zeros_like(ids)
+    lm[2, 5:7], lm[3, 5:8] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+    assert engine.pack_rows(ids, am, lm) is not None
+    _assert_packed_matches_naive(tiny_model(50, seed=1), batch, torch.Generator().manual_seed(2))
