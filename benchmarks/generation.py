@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from gcfamily import onednn
+from gcfamily import cpu_attention, onednn
 from gcfamily.rollout import SamplingSettings, generate
 
 PROMPTS = ["What is 12 + 7?", "What is 9 * 8?", "Compute 45 - 17.", "What is 144 / 12?",
@@ -66,12 +66,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-onednn", action="store_true", help="the rollout without oneDNN packed linear layers (CPU float32)")
+    ap.add_argument("--no-cpu-attention", action="store_true", help="the rollout's attention through SDPA, as transformers runs it (CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # on a loaded machine, 2 spinning threads can run far slower than 1
 
     onednn.ENABLED = not args.no_onednn
+    cpu_attention.ENABLED = not args.no_cpu_attention
     model, tok = load(args.model, getattr(torch, args.dtype), args.device, args.tokenizer)
     chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(args.prompts)]
     prompt_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True)["input_ids"]) for c in chats]
@@ -103,7 +105,7 @@ def main() -> None:
         return n, time.perf_counter() - t0
 
     print(f"model={args.model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"onednn={onednn.ENABLED and onednn.available()} rows={args.prompts}x{args.samples} max_new_tokens={args.max_new_tokens} prompt_len={P}")
+          f"onednn={onednn.ENABLED and onednn.available()} cpu_attention={cpu_attention.ENABLED} rows={args.prompts}x{args.samples} max_new_tokens={args.max_new_tokens} prompt_len={P}")
     # Warm-up (allocator, kernels, lazy imports): a few tokens on CPU, where a full run is costly.
     warm = args.max_new_tokens if args.device.startswith("cuda") else 4
     ours(0, warm), hf(0, warm)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from gcfamily.formats import Formatter, encode
+from gcfamily.onednn import packed_linears
 
 
 @torch.no_grad()
@@ -33,16 +34,17 @@ def evaluate_rows(model: Any, formatter: Formatter, rows: list[dict[str, Any]], 
     model.eval()
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
     total, ok, correct = 0.0, 0, 0
-    for s in range(0, len(data.rows), batch_size):
-        part = data.rows[s : s + batch_size]
-        out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
-        columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
-        scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
-        for j, (r, valid) in enumerate(zip(scored.rewards.tolist(), scored.valid.tolist())):
-            if valid:
-                total, ok, correct = total + r, ok + 1, correct + (r >= 1.0)
-            if details is not None:
-                details.append({"index": s + j, "prompt": part[j]["prompt"], "completion": out.completions[j], "reward": r if valid else None})
+    with packed_linears(model, batch_size):  # the CPU weights packed once for every batch, not once a batch
+        for s in range(0, len(data.rows), batch_size):
+            part = data.rows[s : s + batch_size]
+            out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
+            columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
+            scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
+            for j, (r, valid) in enumerate(zip(scored.rewards.tolist(), scored.valid.tolist())):
+                if valid:
+                    total, ok, correct = total + r, ok + 1, correct + (r >= 1.0)
+                if details is not None:
+                    details.append({"index": s + j, "prompt": part[j]["prompt"], "completion": out.completions[j], "reward": r if valid else None})
     m = len(data.rows)
     metrics = {"eval/reward_mean": total / max(ok, 1), "eval/reward_failed": float(m - ok), "eval/prompts": float(m)}
     if accuracy or (accuracy is None and "answer" in data.rows[0]):
@@ -77,11 +79,12 @@ def sampled_pass_at_k(model: Any, formatter: Formatter, rows: list[dict[str, Any
     settings = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens)
     gen = torch.Generator().manual_seed(seed)
     counts = []
-    for s in range(0, len(data.rows), batch_prompts):
-        part = data.rows[s : s + batch_prompts]
-        out = generate(model, formatter.tokenizer, data.examples[s : s + batch_prompts], k, settings, gen)
-        columns = {key: [r.get(key) for r in part for _ in range(k)] for key in part[0] if key not in ("prompt", "completion")}
-        scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
-        ok = [(v and r >= 1.0) for r, v in zip(scored.rewards.tolist(), scored.valid.tolist())]
-        counts += [sum(ok[i * k : (i + 1) * k]) for i in range(len(part))]
+    with packed_linears(model, batch_prompts * k):  # the CPU weights packed once for every batch, not once a batch
+        for s in range(0, len(data.rows), batch_prompts):
+            part = data.rows[s : s + batch_prompts]
+            out = generate(model, formatter.tokenizer, data.examples[s : s + batch_prompts], k, settings, gen)
+            columns = {key: [r.get(key) for r in part for _ in range(k)] for key in part[0] if key not in ("prompt", "completion")}
+            scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
+            ok = [(v and r >= 1.0) for r, v in zip(scored.rewards.tolist(), scored.valid.tolist())]
+            counts += [sum(ok[i * k : (i + 1) * k]) for i in range(len(part))]
     return {j: sum(pass_at_k(k, c, j) for c in counts) / max(len(counts), 1) for j in range(1, k + 1)}

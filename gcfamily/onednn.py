@@ -82,6 +82,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` [N, K] reordered into oneDNN's blocked layout for about `rows` input rows (0.4 s for all of SmolLM2-135M)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(int(rows), 1))
+
+
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     """Run `model`'s float32 CPU `nn.Linear` layers through oneDNN with packed weights inside the block.
@@ -98,7 +103,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
         for m in mods:
             key = (m.weight.data_ptr(), tuple(m.weight.shape), m.weight.stride())
             if key not in packed:
-                packed[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), max(int(rows), 1))
+                packed[key] = _pack(m.weight, rows)
             m.forward = _packed_forward(m, packed[key])
         yield len(mods)
     finally:

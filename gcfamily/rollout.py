@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from gcfamily import decode
+from gcfamily.cpu_attention import rollout_attention
 from gcfamily.errors import GcfError
 from gcfamily.onednn import packed_linears
 from gcfamily.sampling import SamplingSettings, sample_tokens
@@ -225,8 +226,12 @@ def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
         return out.logits[:, -1]  # [B, V]
 
-    # CPU float32 eager decoding: oneDNN with weights packed once for the whole rollout (compiled code takes plain weights)
-    with contextlib.nullcontext() if static else packed_linears(model, N):
+    # CPU float32 eager decoding: oneDNN with weights packed once for the whole rollout (compiled code takes plain weights),
+    # and attention as two matmuls on the KV heads (gcfamily.cpu_attention)
+    with contextlib.ExitStack() as eager:
+        if not static:
+            eager.enter_context(packed_linears(model, N))
+            eager.enter_context(rollout_attention(model))
         # Prefill each distinct prompt once, then copy its cache rows G times.
         c = _shared_prefix(prompt_ids) if all(isinstance(layer, _GrowingLayer) for layer in getattr(cache, "layers", [None])) else 0
         if c:  # the tokens every prompt starts with (a chat template's system turn) once, then each prompt's own after them

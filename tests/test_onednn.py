@@ -112,9 +112,9 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
     real = rollout.packed_linears
 
     @contextlib.contextmanager
-    def spy(m, rows):
+    def spy(m, rows):  # whether the rollout runs on packed weights (its own, or its evaluation's packed for all its batches)
         with real(m, rows) as k:
-            counts.setdefault(flag, []).append(k)
+            counts.setdefault(flag, []).append(sum("forward" in x.__dict__ for x in m.modules()))
             yield k
 
     monkeypatch.setattr(rollout, "packed_linears", spy)
@@ -126,3 +126,30 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
     assert len(counts[False]) >= 3 and all(k == 0 for k in counts[False])
     with torch.no_grad(), packed_linears(model, 4) as n:  # the default is back after the run
         assert n > 0
+
+
+@torch.no_grad()
+def test_an_evaluation_packs_the_weights_once_for_all_its_batches(model, monkeypatch):
+    from gcfamily.evaluate import evaluate_rows, sampled_pass_at_k
+    from gcfamily.formats import Formatter
+
+    class Tok:  # ids in, ids out: enough for encoding prompts and generate
+        pad_token_id, eos_token_id, chat_template = 0, 1, None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [2 + int(w) % 90 for w in text.split()]}
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(map(str, r)) for r in rows]
+
+    packs = []
+    real = onednn._pack
+    monkeypatch.setattr(onednn, "_pack", lambda w, rows: packs.append(w.data_ptr()) or real(w, rows))
+    rows = [{"prompt": f"{i} {i + 1} {i + 2}", "answer": "x"} for i in range(7)]
+    weights = {m.weight.data_ptr() for m in _linears(model)}  # the tied head packs with the embedding once
+    evaluate_rows(model, Formatter(Tok()), rows, lambda prompts, completions, **kw: [0.0] * len(completions), max_new_tokens=3, batch_size=3)
+    assert sorted(packs) == sorted(weights)  # three batches, each weight packed once
+    packs.clear()
+    sampled_pass_at_k(model, Formatter(Tok()), rows, lambda prompts, completions, **kw: [0.0] * len(completions), k=2, max_new_tokens=3,
+                      batch_prompts=2)
+    assert sorted(packs) == sorted(weights)  # four batches
