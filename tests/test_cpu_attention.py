@@ -80,9 +80,12 @@ def test_calls_it_cannot_take_go_to_sdpa(monkeypatch):
         assert attention(m, q, k, v, mask, softcap=30.0)[0] == "sdpa"  # SDPA refuses it, as it should
         assert attention(m, q, k, v, mask, s_aux=torch.zeros(2))[0] == "sdpa"  # attention sinks
         assert attention(m, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)[0] == "sdpa"
+        Q = cpu_attention.MAX_QUERIES + 1  # a long prefill: SDPA's kernel is faster there
+        long = torch.ones(1, 1, Q, Q, dtype=torch.bool).tril()
+        assert attention(m, torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), long)[0] == "sdpa"
     q.requires_grad_(True)
     assert attention(m, q, k, v, mask)[0] == "sdpa"  # training keeps SDPA's backward
-    assert len(calls) == 7
+    assert len(calls) == 8
 
 
 def _qwen2():
