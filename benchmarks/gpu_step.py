@@ -147,11 +147,14 @@ def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str,
     rows = [r for r in read_metrics(out) if "time/step_s" in r][1:]  # the first step pays for warm-up
     tok, fw = tokens[1:], forwards[1:]
     params = sum(p.numel() for p in trainer.unwrapped_policy().parameters())
+    trained = sum(p.numel() for p in trainer.unwrapped_policy().parameters() if p.requires_grad)
     step_s = sum(r["time/step_s"] for r in rows) / len(rows)
     gen_s = sum(r["time/data_s"] for r in rows) / len(rows)
     train_s = step_s - gen_s
-    flops = sum((6 + 2 * f) * params * t for f, t in zip(fw, tok)) / len(tok)
-    return {"model": name, "params": params, "mode": mode, "lora_r": lora_r, **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
+    # per trained token: forward 2N and the backward's input gradients 2N over every weight, weight gradients 2N over the
+    # trained ones only (all of them in full fine-tuning: 6N; LoRA's frozen base takes none), and 2N per extra no-grad forward
+    flops = sum(((4 + 2 * f) * params + 2 * trained) * t for f, t in zip(fw, tok)) / len(tok)
+    return {"model": name, "params": params, "trained_params": trained, "mode": mode, "lora_r": lora_r, **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
             "step_s": step_s, "generation_s": gen_s, "train_s": train_s, "train_tokens_per_step": sum(tok) / len(tok),
             "train_tokens_per_s": sum(tok) / len(tok) / max(train_s, 1e-9), "train_share_of_matmul": flops / max(train_s, 1e-9) / rate,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}

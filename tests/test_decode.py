@@ -126,6 +126,8 @@ def test_gpu_step_script_runs_on_the_cpu_without_datasets_or_gguf(tmp_path):
     for x in data["results"]:
         assert x["decode_generated_tokens_per_s"] > 0 and x["step_s"] > 0 and x["train_tokens_per_s"] > 0
     assert "compiled / eager" in r.stdout and "LoRA r=4" in r.stdout
+    full, lora = data["results"][1], data["results"][2]
+    assert full["trained_params"] == full["params"] and 0 < lora["trained_params"] < lora["params"] / 10  # LoRA's rate counts no frozen weight gradients
 
 
 def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
