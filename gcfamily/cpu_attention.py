@@ -9,9 +9,16 @@ they are: 0.6 ms and 11 ms on those shapes (2 threads).
 
 It computes the same function as transformers' SDPA path: the same mask (transformers builds it
 for this implementation with its SDPA mask function) and scale; masked keys get exactly zero
-weight (a finite minimum, not -inf, so a query with nothing to attend, a padding position whose
-output nothing reads, gives a finite mean instead of NaN). Results equal SDPA's to float32
-rounding (another summation order), as tested. Taken only for plain float32 CPU tensors without
+weight. A query with nothing to attend (a padding position, whose output nothing reads) gets the
+mean of the values where SDPA gives 0: finite either way (with -inf it would be NaN, and 0 x NaN
+would reach the real rows). Every query that attends something equals SDPA's result to float32
+rounding (another summation order), as tested.
+
+The switch is the model's attention implementation name, and some modeling code branches on that
+name being "sdpa" (Falcon's forward takes its eager branch for any other name and would add the
+boolean mask; DeepSeek-V3.2's sparse indexer skips its top-k mask), so only the families the
+tests check the rollout on (`families.PACKED_FAMILIES`: greedy tokens equal `generate` and
+log-probs equal the model's own forward) are switched; the others keep SDPA. Taken only for plain float32 CPU tensors without
 gradients, dropout or any extra term (softcap, sinks, position bias), and for at most MAX_QUERIES
 queries (decoding, short prefills); every other call goes to transformers' SDPA function unchanged.
 """
@@ -26,6 +33,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from gcfamily.families import PACKED_FAMILIES
 
 ENABLED = True
 """Switch for tests and benchmarks."""
@@ -52,6 +61,7 @@ def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kw
         and mask.shape[0] in (1, B)
         and mask.shape[1] in (1, H)
         and tuple(mask.shape[2:]) == (Q, key.shape[2])
+        and key.shape[0] == B  # SDPA broadcasts a batch-1 query (learned queries); this path does not
         and H % key.shape[1] == 0
         and all(k in _HARMLESS or v is None or v is False for k, v in kwargs.items())
     )
@@ -88,12 +98,13 @@ def _configs(config: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def rollout_attention(model: torch.nn.Module) -> Iterator[bool]:
-    """Inside the block, `model`'s SDPA attention runs through `attention` (CPU, gradients off); yields whether it was switched.
+    """Inside the block, `model`'s SDPA attention runs through `attention` (CPU, gradients off, a family the tests check);
+    yields whether it was switched.
 
     The switch is the config's attention implementation, restored as it was, config by config, when
     the block ends. Calls `attention` cannot take exactly still go to SDPA.
     """
-    on = ENABLED and not torch.is_grad_enabled() and model.device.type == "cpu"
+    on = ENABLED and not torch.is_grad_enabled() and model.device.type == "cpu" and getattr(model.config, "model_type", None) in PACKED_FAMILIES
     switched = [c for c in _configs(model.config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"] if on else []
     try:
         for c in switched:

@@ -24,8 +24,9 @@ PACKED_FAMILIES = frozenset({
     "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
     "gpt2",
 })
-"""Model types whose packed log-probs tests/test_families.py checks against the model's own forward at lengths
-past their windows; any other family, or a layer type other than these two (Llama 4's chunked attention, linear
+"""Model types whose packed log-probs and greedy rollouts tests/test_families.py checks against the model's own forward
+and `generate` at lengths past their windows (the rollout's CPU attention, `cpu_attention`, is switched on for these only);
+any other family, or a layer type other than these two (Llama 4's chunked attention, linear
 attention, state-space layers), runs the plain padded pass, which lets the model build its own masks."""
 
 _HEAD_TRANSFORMS = {"logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gcfamily import cpu_attention
 from gcfamily.cpu_attention import attention, rollout_attention
@@ -80,12 +80,14 @@ def test_calls_it_cannot_take_go_to_sdpa(monkeypatch):
         assert attention(m, q, k, v, mask, softcap=30.0)[0] == "sdpa"  # SDPA refuses it, as it should
         assert attention(m, q, k, v, mask, s_aux=torch.zeros(2))[0] == "sdpa"  # attention sinks
         assert attention(m, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)[0] == "sdpa"
+        two = torch.randn(2, 2, 3, 4)  # keys of two rows for a query of one: SDPA broadcasts it
+        assert attention(m, q, two, two, mask)[0] == "sdpa"
         Q = cpu_attention.MAX_QUERIES + 1  # a long prefill: SDPA's kernel is faster there
         long = torch.ones(1, 1, Q, Q, dtype=torch.bool).tril()
         assert attention(m, torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), long)[0] == "sdpa"
     q.requires_grad_(True)
     assert attention(m, q, k, v, mask)[0] == "sdpa"  # training keeps SDPA's backward
-    assert len(calls) == 8
+    assert len(calls) == 9
 
 
 def _qwen2():
@@ -109,6 +111,11 @@ def test_switch_is_scoped_restored_after_an_error_and_only_without_gradients():
                                            num_key_value_heads=2, head_dim=8, attn_implementation="eager"))
     with torch.no_grad(), rollout_attention(eager) as on:  # only SDPA is replaced
         assert not on and eager.config._attn_implementation == "eager"
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            new_decoder_architecture=True, num_kv_heads=2, alibi=False)).eval()
+    assert falcon.config._attn_implementation == "sdpa"
+    with torch.no_grad(), rollout_attention(falcon) as on:  # its forward branches on the name "sdpa": a family not checked keeps it
+        assert not on and falcon.config._attn_implementation == "sdpa"
 
 
 @torch.no_grad()
