@@ -1,6 +1,6 @@
 """oneDNN linear layers for forwards without gradients on CPU (sampling, evaluation).
 
-torch sends float32 CPU matmuls to MKL. On the AMD EPYC (AVX-512) this project runs on, oneDNN with
+torch sends float32 CPU matmuls to MKL. On the AMD EPYC (AVX2, no AVX-512) this project runs on, oneDNN with
 the weight reordered once into its blocked layout computes the same products 1.2-2.2x faster:
 `benchmarks/generation.py` measures the rollout with and without (`--no-onednn`). Weights change at
 every optimizer step, so they are packed when a forward-only section starts and dropped when it ends;
