@@ -20,7 +20,9 @@ boolean mask; DeepSeek-V3.2's sparse indexer skips its top-k mask), so only the 
 tests check the rollout on (`families.PACKED_FAMILIES`: greedy tokens equal `generate` and
 log-probs equal the model's own forward) are switched; the others keep SDPA. Taken only for plain float32 CPU tensors without
 gradients, dropout or any extra term (softcap, sinks, position bias), and for at most MAX_QUERIES
-queries (decoding, short prefills); every other call goes to transformers' SDPA function unchanged.
+queries (decoding, short prefills); a one-token step without a mask (no row is padded, so
+transformers skips it) attends every key, as SDPA does. Every other call, a maskless prefill
+among them (causal by SDPA's flag), goes to transformers' SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ MAX_QUERIES = 64
 _HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions", "layer_idx", "is_causal"})
 
 
+def _mask_ok(mask: Any, B: int, H: int, Q: int, S: int) -> bool:
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[0] in (1, B)
+            and mask.shape[1] in (1, H) and tuple(mask.shape[2:]) == (Q, S))
+
+
 def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kwargs: dict[str, Any]) -> bool:
     B, H, Q, _ = query.shape
     return (
@@ -54,13 +61,8 @@ def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kw
         and query.dtype == key.dtype == torch.float32
         and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         and not dropout
-        and isinstance(mask, torch.Tensor)
-        and mask.dtype == torch.bool
-        and mask.ndim == 4
         and Q <= MAX_QUERIES
-        and mask.shape[0] in (1, B)
-        and mask.shape[1] in (1, H)
-        and tuple(mask.shape[2:]) == (Q, key.shape[2])
+        and (_mask_ok(mask, B, H, Q, key.shape[2]) or (mask is None and Q == 1))  # no mask, one query: every key (SDPA's is_causal is off)
         and key.shape[0] == B  # SDPA broadcasts a batch-1 query (learned queries); this path does not
         and H % key.shape[1] == 0
         and all(k in _HARMLESS or v is None or v is False for k, v in kwargs.items())
@@ -78,8 +80,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     scale = scaling if scaling is not None else D**-0.5
     # query head h reads KV head h // g (transformers' repeat_kv): stack each KV head's g query heads
     s = torch.matmul(query.reshape(B, Hk, g * Q, D), key.transpose(-1, -2)).mul_(scale)  # [B, Hk, g*Q, S]
-    m = attention_mask.view(attention_mask.shape[0], 1, 1, Q, S) if attention_mask.shape[1] == 1 else attention_mask.view(-1, Hk, g, Q, S)
-    s.view(B, Hk, g, Q, S).masked_fill_(~m, torch.finfo(s.dtype).min)
+    if attention_mask is not None:
+        m = attention_mask.view(attention_mask.shape[0], 1, 1, Q, S) if attention_mask.shape[1] == 1 else attention_mask.view(-1, Hk, g, Q, S)
+        s.view(B, Hk, g, Q, S).masked_fill_(~m, torch.finfo(s.dtype).min)
     out = torch.matmul(s.softmax(-1), value)  # [B, Hk, g*Q, Dv]
     return out.view(B, H, Q, value.shape[-1]).transpose(1, 2).contiguous(), None
 

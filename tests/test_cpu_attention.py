@@ -54,6 +54,18 @@ def test_equals_sdpa_and_a_loop_oracle(H, Hk, Q, mask_heads, batch_one):
 
 
 @torch.no_grad()
+def test_one_query_without_a_mask_attends_every_key():
+    # what transformers passes for a decoding step when no row has padding (its mask is skipped)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(4, 6, 1, 8), torch.randn(4, 2, 7, 8), torch.randn(4, 2, 7, 8)
+    got, _ = attention(_Attn(3), q, k, v, None)
+    ref, _ = cpu_attention.sdpa_attention_forward(_Attn(3), q, k, v, None)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), _oracle(q, k, v, torch.ones(4, 6, 1, 7, dtype=torch.bool), 8**-0.5), rtol=1e-5, atol=1e-5)
+    assert cpu_attention._plain(q, k, None, 0.0, {})
+
+
+@torch.no_grad()
 def test_a_query_with_nothing_to_attend_is_finite_and_the_others_are_unchanged():
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
@@ -74,7 +86,7 @@ def test_calls_it_cannot_take_go_to_sdpa(monkeypatch):
     m = _Attn(1)
     with torch.no_grad():
         assert isinstance(attention(m, q, k, v, mask, sliding_window=2)[0], torch.Tensor)  # the mask holds the window
-        assert attention(m, q, k, v, None)[0] == "sdpa"  # no mask: SDPA's is_causal decides
+        assert attention(m, q, k, v, None)[0] == "sdpa"  # no mask over several queries: SDPA's is_causal decides
         assert attention(m, q, k, v, mask.float())[0] == "sdpa"  # an additive mask
         assert attention(m, q, k, v, mask, dropout=0.1)[0] == "sdpa"
         assert attention(m, q, k, v, mask, softcap=30.0)[0] == "sdpa"  # SDPA refuses it, as it should
@@ -145,7 +157,8 @@ def test_a_model_gives_the_same_logits_through_it():
 
 
 @torch.no_grad()
-def test_greedy_rollout_is_the_same_with_and_without(monkeypatch):
+@pytest.mark.parametrize("ragged", [True, False])
+def test_greedy_rollout_is_the_same_with_and_without(monkeypatch, ragged):
     from gcfamily.rollout import SamplingSettings, generate
 
     class Tok:  # ids in, ids out: enough for generate
@@ -155,12 +168,24 @@ def test_greedy_rollout_is_the_same_with_and_without(monkeypatch):
             return [" ".join(map(str, r)) for r in rows]
 
     model = _qwen2()
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [10, 11, 12, 13, 14, 15, 16, 17, 19, 20]]
+    if ragged:  # left padding: every step has a mask
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [10, 11, 12, 13, 14, 15, 16, 17, 19, 20]]
+    else:  # no padding: transformers skips the mask, and the one-token steps get none
+        prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
     settings = SamplingSettings(greedy=True, max_new_tokens=12)
-    seen = []
-    monkeypatch.setattr(cpu_attention, "_plain", lambda *a: seen.append(a[0].shape[2]) or True)
+    taken = []
+    real = cpu_attention._plain
+
+    def spy(query, key, mask, *rest):
+        ok = real(query, key, mask, *rest)
+        if ok:
+            taken.append((query.shape[2], mask is None))
+        return ok
+
+    monkeypatch.setattr(cpu_attention, "_plain", spy)
     on = generate(model, Tok(), prompts, 2, settings)
-    assert 1 in seen and max(seen) > 1  # the prefill and the one-token steps both took it
+    assert (1, not ragged) in taken  # the one-token steps took it, with a mask or without
+    assert ragged == any(q > 1 for q, _ in taken)  # so did a masked prefill; an unmasked one (causal) stays on SDPA
     monkeypatch.setattr(cpu_attention, "ENABLED", False)
     off = generate(model, Tok(), prompts, 2, settings)
     assert torch.equal(on.input_ids, off.input_ids)
