@@ -18,11 +18,13 @@ The switch is the model's attention implementation name, and some modeling code 
 name being "sdpa" (Falcon's forward takes its eager branch for any other name and would add the
 boolean mask; DeepSeek-V3.2's sparse indexer skips its top-k mask), so only the families the
 tests check the rollout on (`families.PACKED_FAMILIES`: greedy tokens equal `generate` and
-log-probs equal the model's own forward) are switched; the others keep SDPA. Taken only for plain float32 CPU tensors without
-gradients, dropout or any extra term (softcap, sinks, position bias), and for at most MAX_QUERIES
-queries (decoding, short prefills); a one-token step without a mask (no row is padded, so
-transformers skips it) attends every key, as SDPA does. Every other call, a maskless prefill
-among them (causal by SDPA's flag), goes to transformers' SDPA function unchanged.
+log-probs equal the model's own forward) are switched; the others keep SDPA.
+
+Taken only for plain float32 CPU tensors without gradients, dropout or any extra term (softcap,
+sinks, position bias), and for at most MAX_QUERIES queries (decoding, short prefills); a
+one-token step without a mask (no row is padded, so transformers skips it) attends every key, as
+SDPA does. Every other call, a maskless prefill among them (causal by SDPA's flag), goes to
+transformers' SDPA function unchanged.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # query head h reads KV head h // g (transformers' repeat_kv): stack each KV head's g query heads
     s = torch.matmul(query.reshape(B, Hk, g * Q, D), key.transpose(-1, -2)).mul_(scale)  # [B, Hk, g*Q, S]
     if attention_mask is not None:
-        m = attention_mask.view(attention_mask.shape[0], 1, 1, Q, S) if attention_mask.shape[1] == 1 else attention_mask.view(-1, Hk, g, Q, S)
+        per_head = attention_mask.shape[1] != 1
+        m = attention_mask.view(-1, Hk, g, Q, S) if per_head else attention_mask.view(-1, 1, 1, Q, S)
         s.view(B, Hk, g, Q, S).masked_fill_(~m, torch.finfo(s.dtype).min)
     out = torch.matmul(s.softmax(-1), value)  # [B, Hk, g*Q, Dv]
     return out.view(B, H, Q, value.shape[-1]).transpose(1, 2).contiguous(), None
@@ -107,7 +110,8 @@ def rollout_attention(model: torch.nn.Module) -> Iterator[bool]:
     The switch is the config's attention implementation, restored as it was, config by config, when
     the block ends. Calls `attention` cannot take exactly still go to SDPA.
     """
-    on = ENABLED and not torch.is_grad_enabled() and model.device.type == "cpu" and getattr(model.config, "model_type", None) in PACKED_FAMILIES
+    checked = getattr(model.config, "model_type", None) in PACKED_FAMILIES
+    on = ENABLED and checked and not torch.is_grad_enabled() and model.device.type == "cpu"
     switched = [c for c in _configs(model.config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"] if on else []
     try:
         for c in switched:
