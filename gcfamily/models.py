@@ -9,12 +9,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +96,30 @@ def _smollm2_folder() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """transformers' GGUF reader draws a tqdm bar on stderr per tensor; a run's stderr is for its own lines (an error there
+    is one sentence, also on the first run that converts), so the bar is off while the conversion reads the file."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     """GGUF -> a plain safetensors checkpoint, written atomically, logits checked equal."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    with _quiet_gguf():
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # a model loaded from GGUF may refuse save_pretrained: build a plain one and copy the weights in
     config = copy.deepcopy(src.config)
     if hasattr(config, "quantization_config"):  # the weights are dequantized: save a plain float checkpoint
