@@ -213,17 +213,41 @@ def _gcf_cmd(*args):
     return [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", *SMALL, *args]
 
 
+def _has_a_step(out):
+    try:
+        return bool(steps_of(out))
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+
+
 def test_two_runs_started_into_one_folder_never_interleave(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "r"
-    procs = [subprocess.Popen(_gcf_cmd("--max-steps", "60", "--output-dir", str(out), "--overwrite"), env=env,
+    # Both race for the lock; whichever wins runs until it is stopped, so the other always meets it running (60 steps of
+    # the tiny model take under a second: a finished first run left the second free to --overwrite it, and both exited 0).
+    procs = [subprocess.Popen(_gcf_cmd("--max-steps", "100000", "--output-dir", str(out), "--overwrite"), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
-    codes = sorted(r[2] for r in results)
-    assert codes == [0, 2], results
-    refused = next(r for r in results if r[2] == 2)
-    assert "is in use by a running gcfamily run" in refused[1] and len(refused[1].strip().splitlines()) == 1
-    assert steps_of(out) == list(range(1, 61))  # one run's steps, each once
+    try:
+        deadline = time.monotonic() + 300
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        loser = next(p for p in procs if p.poll() is not None)
+        winner = next(p for p in procs if p is not loser)
+        _, err = loser.communicate(timeout=60)
+        assert loser.returncode == 2, err
+        assert "is in use by a running gcfamily run" in err and len(err.strip().splitlines()) == 1, err
+        while not _has_a_step(out) and time.monotonic() < deadline:  # the winner is training
+            time.sleep(0.2)
+        assert winner.poll() is None
+        winner.send_signal(signal.SIGTERM)
+        _, err = winner.communicate(timeout=120)
+        assert winner.returncode == 128 + signal.SIGTERM, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    steps = steps_of(out)
+    assert steps and steps == list(range(1, len(steps) + 1))  # one run's steps, each once
 
 
 def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
