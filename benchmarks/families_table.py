@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gcfamily import engine, packing  # noqa: E402
+from gcfamily.core import engine, packing  # noqa: E402
 from gcfamily.errors import GcfError  # noqa: E402
 from test_families import FAMILIES, REFUSED, build, distinct_batch, grpo_batch, oracle_logps  # noqa: E402
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from gcfamily import cpu_attention, onednn
+from gcfamily.core import cpu_attention, onednn
 from gcfamily.rollout import SamplingSettings, generate
 
 PROMPTS = ["What is 12 + 7?", "What is 9 * 8?", "Compute 45 - 17.", "What is 144 / 12?",

@@ -114,8 +114,8 @@ def decode_figures(trainer, new_tokens: int, mode: str, reps: int) -> dict:
 def grpo_figures(name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float, lora_r: int = 0) -> dict:
     import gcfamily.rollout as rollout
     from gcfamily.config import Config
-    from gcfamily.logger import read_metrics
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.logger import read_metrics
+    from gcfamily.run.trainer import Trainer
 
     out = Path(tempfile.mkdtemp(prefix=f"gpu-step-{name}-{mode}-"))
     cfg = Config(method="grpo", model=name, task="arithmetic", max_steps=steps, output_dir=str(out), progress=False, device=device,

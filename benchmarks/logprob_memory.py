@@ -22,7 +22,7 @@ def child(path: str, tokens: int, vocab: int, chunk: int, device: str) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gcfamily import engine
+    from gcfamily.core import engine
 
     torch.manual_seed(0)
     # SmolLM2-135M's widths (hidden 576, vocab 49,152), two layers: the projection is what is measured

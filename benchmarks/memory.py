@@ -69,7 +69,7 @@ def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = Fal
     import torch
 
     from gcfamily.config import Config
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     torch.set_num_threads(2)
     cfg = Config(model=model_source(model), output_dir=out, max_steps=steps, activation_checkpointing=checkpointing,

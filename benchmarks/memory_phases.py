@@ -113,10 +113,13 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
     with P("imports"):
         import torch
 
-        from gcfamily import engine, lora, rollout, trainer as trainer_mod
+        from gcfamily.core import engine
+        from gcfamily.models import lora
+        from gcfamily import rollout
+        from gcfamily.run import trainer as trainer_mod
         from gcfamily.config import Config
         from gcfamily.methods import onpolicy
-        from gcfamily.trainer import Trainer
+        from gcfamily.run.trainer import Trainer
     torch.set_num_threads(2)
     state: dict = {}
 

@@ -21,7 +21,7 @@ with right padding, rewards in groups with one all-equal group):
 - gcfamily: the real method class, built from the row's `--set` strings the way `gcf run` builds it
   (typed, method defaults applied, validated), then `prepare` (advantages, pi_old/pi_ref as the
   trainer supplies them), `engine.normaliser`, `coefficient` and `engine.weighted_loss`, as
-  gcfamily/trainer.py runs a step.
+  gcfamily/run/trainer.py runs a step.
 
 Compared: the gradient with respect to the current log-probs (TRL's autograd vs the engine's one
 loss); the loss value, TRL's against minus the method's textbook `objective` (the engine's
@@ -46,8 +46,9 @@ from typing import Any, Optional
 
 import torch
 
-from gcfamily import engine
-from gcfamily.config import Config, apply, parse_sets, resolve_settings, validate
+from gcfamily.core import engine
+from gcfamily.config import Config, apply, parse_sets, resolve_settings
+from gcfamily.config.checks import validate
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.clipped import kl_value
@@ -417,7 +418,7 @@ class _Services:
 
 
 def _step(method: Method, batch: Batch, logps0: torch.Tensor) -> dict[str, Any]:
-    """One step as gcfamily/trainer.py runs it (one micro-batch): Z, GC, the weighted loss, its backward."""
+    """One step as gcfamily/run/trainer.py runs it (one micro-batch): Z, GC, the weighted loss, its backward."""
     Z = engine.normaliser([batch], method.norm, method.cfg.norm_constant)
     logps = logps0.clone().requires_grad_(True)
     coef = method.coefficient(batch, logps.detach())  # [B, L]

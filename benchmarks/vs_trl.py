@@ -75,7 +75,7 @@ def model_folder(name: str, work: Path) -> str:
 
 def step_rows(n: int, steps: int, batch: int) -> list[int]:
     """Indices of the rows gcfamily's steps 0..steps-1 read, in order."""
-    from gcfamily.data import epoch_indices
+    from gcfamily.data.batches import epoch_indices
 
     return [i for s in range(steps) for i in epoch_indices(n, SEED, s, batch)]
 
@@ -85,9 +85,9 @@ def step_rows(n: int, steps: int, batch: int) -> list[int]:
 
 
 def run_gcfamily(case: dict, model: str, steps: int, out: Path, extra: dict) -> dict:
-    from gcfamily.config import resolve
-    from gcfamily.logger import read_metrics
-    from gcfamily.trainer import Trainer
+    from gcfamily.methods import resolve
+    from gcfamily.run.logger import read_metrics
+    from gcfamily.run.trainer import Trainer
 
     cfg = resolve(None, dict(method=case["method"], model=model, task="arithmetic", seed=SEED, device="cpu", dtype="float32",
                              max_steps=steps, batch_size=case["batch_size"], lr=case["lr"],
@@ -150,7 +150,7 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
     elif m == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        from gcfamily.preferences import preference_rows
+        from gcfamily.data.preferences import preference_rows
 
         pairs = preference_rows(task, None, SEED)
         data = [{"prompt": user(pairs[i]["prompt"]), "chosen": [{"role": "assistant", "content": pairs[i]["chosen"]}],

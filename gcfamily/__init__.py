@@ -18,8 +18,8 @@ _EXPORTS = {
     "MethodSettings": "gcfamily.config",
     "Config": "gcfamily.config",
     "get_method": "gcfamily.methods",
-    "load_rows": "gcfamily.dataset",
-    "Formatter": "gcfamily.formats",
+    "load_rows": "gcfamily.data.sources",
+    "Formatter": "gcfamily.data.formats",
     "GcfError": "gcfamily.errors",
 }
 __all__ = ["__version__", *_EXPORTS]

@@ -52,9 +52,10 @@ def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None,
           eval_dataset: Any = None, output_dir: Optional[str] = None, resume: Optional[str] = None, **settings: Any) -> Path:
     """Train and return the run folder (module docstring); the final model loads with from_pretrained(folder)."""
     from gcfamily.config import Config, apply, resolve_settings
-    from gcfamily.dataset import describe
+    from gcfamily.methods import get_method
+    from gcfamily.data.sources import describe
     from gcfamily.methods.base import Method
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     values: dict[str, Any] = dict(settings)
     method_cls = None
@@ -88,10 +89,7 @@ def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None,
         values["output_dir"] = str(output_dir)
     cfg = apply(Config(), values, "train()")
     object.__setattr__(cfg, "explicit", sorted(values))
-    if method_cls is not None:
-        resolve_settings(cfg, method_cls)
-    else:
-        resolve_settings(cfg)
+    resolve_settings(cfg, method_cls if method_cls is not None else get_method(cfg.method))
     if output_dir is None:
         cfg = default_output_dir(cfg, resume)
     trainer = Trainer(cfg, resume=resume, method=method_cls, model=model_obj, dataset=data_obj, eval_dataset=eval_obj, rewards=rewards)

@@ -95,7 +95,9 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 @click.option("--strategy", type=str, help="ddp or fsdp2 when --nproc > 1.")
 def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str], nproc: int, **opts: Any) -> None:
     """Train a model with a method."""
-    from gcfamily.config import parse_sets, resolve, validate
+    from gcfamily.config import parse_sets
+    from gcfamily.methods import resolve
+    from gcfamily.config.checks import validate
     from gcfamily.models import check_source, context_of
 
     overrides = _overrides(**opts)
@@ -114,19 +116,19 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
         if nproc > 1 and "run" in sys.argv:  # every process must write to the same folder
             sys.argv += ["--output-dir", cfg.output_dir]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of torchrun (or of --nproc)
-        from gcfamily.launch import run_process
+        from gcfamily.run.launch import run_process
 
         run_process(cfg, resume)
         return
     if nproc > 1:
-        from gcfamily.distributed import check_batch_size
-        from gcfamily.launch import launch
+        from gcfamily.run.distributed import check_batch_size
+        from gcfamily.run.launch import launch
 
         check_batch_size(cfg.batch_size, nproc)
         if "run" not in sys.argv:
             raise GcfError("--nproc re-runs the `gcf run` command line; call it as `gcf run ... --nproc N`, or use torchrun.")
         sys.exit(launch(nproc, sys.argv[sys.argv.index("run") :]))
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     trainer = Trainer(cfg, resume=resume)
     trainer.run()
@@ -196,7 +198,7 @@ def check_cmd(spec: str, sets: tuple[str, ...], seeds: int) -> None:
     """Check a method's gradient (a name, module:Class or path/to/file.py:Class) against an independent textbook.
 
     At the method's defaults and at settings that reach every branch: (a) the engine's gradient equals autograd
-    of the textbook objective (gcfamily/check.py) and of the method's own objective; (b) d loss / d logits through
+    of the textbook objective (gcfamily/check/__init__.py) and of the method's own objective; (b) d loss / d logits through
     the engine's log-prob backward equals GC * w / Z * (onehot - softmax). Exit 0: passed; 1: a check failed.
     """
     from gcfamily import check
@@ -240,7 +242,9 @@ def tasks() -> None:
 @click.option("--rows", default=3, show_default=True, type=click.IntRange(0, 1000), help="Rows to print.")
 def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opts: Any) -> None:
     """Show what a method trains on: format, chat format, rows kept and skipped, lengths, and the first rows as tokenised."""
-    from gcfamily.config import parse_sets, resolve, validate
+    from gcfamily.config import parse_sets
+    from gcfamily.methods import resolve
+    from gcfamily.config.checks import validate
     from gcfamily.inspect_data import describe
 
     overrides = _overrides(**opts)
@@ -269,16 +273,17 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
 
     from gcfamily.config import parse_sets
     from gcfamily.models import load_model
-    from gcfamily.trainer import resolve_device, resolve_dtype
+    from gcfamily.run.trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if dataset is None and reward:
         raise GcfError("--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset).")
     if dataset is not None:
-        from gcfamily.config import Config, apply, validate
-        from gcfamily.dataset import load_rows
-        from gcfamily.evaluate import evaluate_rows
-        from gcfamily.formats import Formatter
+        from gcfamily.config import Config, apply
+        from gcfamily.config.checks import validate
+        from gcfamily.data.sources import load_rows
+        from gcfamily.run.evaluate import evaluate_rows
+        from gcfamily.data.formats import Formatter
         from gcfamily.rewards import Rewards
 
         if not reward:
@@ -289,7 +294,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
         m, tok = load_model(model, resolve_dtype("auto", dev), dev)
         fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
         t0 = time.time()
-        from gcfamily import onednn
+        from gcfamily.core import onednn
 
         with onednn.packing(cfg.rollout_pack_weights):
             out = evaluate_rows(m, fmt, rows, Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout), max_new_tokens, n=samples)
@@ -297,7 +302,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
         click.echo(f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
                    f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s")
         return
-    from gcfamily.evaluate import heldout_accuracy
+    from gcfamily.run.evaluate import heldout_accuracy
     from gcfamily.tasks import get_task
 
     import yaml

@@ -50,8 +50,8 @@ def _quantiles(values: list[int]) -> str:
 
 def describe(cfg: Any, n_rows: int = 3) -> str:
     """The report `gcf data` prints for a resolved Config."""
-    from gcfamily.dataset import load_rows
-    from gcfamily.formats import FORMATS, Formatter, encode
+    from gcfamily.data.sources import load_rows
+    from gcfamily.data.formats import FORMATS, Formatter, encode
     from gcfamily.methods import get_method
 
     cls = get_method(cfg.method)

@@ -40,8 +40,8 @@ def metrics_rows(out_dir: Path) -> list[dict]:
 
 def assert_engine_grad_matches_objective(trainer, batch, micro: int = 3) -> None:
     """On the trainer's real policy: micro-batched engine gradient == autograd of -objective on the whole batch."""
-    from gcfamily import engine
-    from gcfamily.data import split_batch
+    from gcfamily.core import engine
+    from gcfamily.data.batches import split_batch
 
     m = trainer.method
     mbs = split_batch(batch, micro)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gcfamily.dataset import load_rows
-from gcfamily.formats import Formatter, as_kind, encode
+from gcfamily.data.sources import load_rows
+from gcfamily.data.formats import Formatter, as_kind, encode
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_tokenizer
 

@@ -7,9 +7,9 @@ import pytest
 
 from conftest import metrics_rows
 from gcfamily.bench import DEFAULT_METHODS, SUITES, check_sets, default_methods, method_name, parse_budget, run_settings
-from gcfamily.config import resolve
+from gcfamily.methods import resolve
 from gcfamily.errors import GcfError
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 
 METHODS = ["sft", "grpo", "dpo"]  # one of each data source; every child pays a few seconds of imports
@@ -130,8 +130,8 @@ def test_eval_every_s_evaluates_each_time_the_training_clock_crosses_a_multiple(
     (9, 15, 21 s), and the last step leaves its evaluation to eval_at_ends; rows are logged when evaluated."""
     import types
 
-    import gcfamily.trainer as trainer_module
-    from gcfamily.trainer import Trainer
+    import gcfamily.run.trainer as trainer_module
+    from gcfamily.run.trainer import Trainer
 
     ticks = iter(range(10**6))
     monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
@@ -213,7 +213,7 @@ def test_sigterm_to_bench_stops_the_running_method_at_a_checkpoint(tmp_path):
 
 
 def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gcf, tmp_path):
-    from gcfamily.bench_seeds import heldout, prompts_of
+    from gcfamily.bench.seeds import heldout, prompts_of
 
     out = tmp_path / "b"
     code, stdout, stderr = gcf("bench", "--quick", "--methods", "sft,grpo", "--budget", "steps:2", "--seeds", "2", "--baseline", "sft",
@@ -234,7 +234,7 @@ def test_seeds_give_intervals_paired_differences_and_the_same_heldout_prompts(gc
 
 
 def test_sweep_chooses_the_value_with_the_best_mean_over_seeds(monkeypatch, tmp_path):
-    import gcfamily.bench_sweep as bs
+    import gcfamily.bench.sweep as bs
 
     val = {("1e-3", 0): 0.9, ("1e-3", 1): 0.1, ("3e-3", 0): 0.6, ("3e-3", 1): 0.6}  # seed 0 alone favours 1e-3, the mean 3e-3
     folders = {(v, k): str(tmp_path / "m" / f"lr={v}" / f"seed-{k}") for v, k in val}
@@ -255,7 +255,7 @@ def test_sweep_chooses_the_value_with_the_best_mean_over_seeds(monkeypatch, tmp_
 
 
 def test_paired_difference_resamples_seeds_pairs_by_prompt_text_and_skips_failed_runs(tmp_path):
-    from gcfamily.bench_seeds import paired, seeds_table
+    from gcfamily.bench.seeds import paired, seeds_table
 
     def run(name, correct, prompts=None, returncode=0, seed=0):
         folder = tmp_path / name
@@ -284,7 +284,7 @@ def test_paired_difference_resamples_seeds_pairs_by_prompt_text_and_skips_failed
 
 
 def test_accuracy_bands_align_seeds_by_evaluation_not_by_step():
-    from gcfamily.bench_seeds import evaluation_points
+    from gcfamily.bench.seeds import evaluation_points
 
     def run(evals):  # (step, training seconds, accuracy); the end evaluation is logged on a row of its own
         rows = [{"step": 0, "eval/accuracy": evals[0][2]}]
@@ -348,8 +348,8 @@ def test_gcf_eval_types_task_options(gcf):
 
 
 def test_sweep_chooses_on_validation_rows_and_never_reads_the_test_split(gcf, tmp_path):
-    from gcfamily.bench_seeds import prompts_of
-    from gcfamily.bench_sweep import choose, parse_sweep
+    from gcfamily.bench.seeds import prompts_of
+    from gcfamily.bench.sweep import choose, parse_sweep
     from gcfamily.tasks import get_task
 
     assert parse_sweep("lr=1e-6, 3e-6") == ("lr", ["1e-6", "3e-6"])
@@ -372,7 +372,7 @@ def test_sweep_chooses_on_validation_rows_and_never_reads_the_test_split(gcf, tm
 
 
 def test_sweep_with_seeds_chooses_on_the_mean_validation_and_reads_the_test_split_for_the_chosen_value_only(gcf, tmp_path):
-    from gcfamily.bench_seeds import prompts_of
+    from gcfamily.bench.seeds import prompts_of
     from gcfamily.tasks import get_task
 
     out = tmp_path / "s"
@@ -397,7 +397,7 @@ def test_sweep_with_seeds_chooses_on_the_mean_validation_and_reads_the_test_spli
 
 def test_validation_rows_never_train(tmp_path):
     from gcfamily.config import Config
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     tr = Trainer(Config(method="sft", model="tiny", task="arithmetic", output_dir=str(tmp_path / "r"), validation_rows=10, progress=False))
     held = {r["prompt"] for r in tr.validation_rows()}
@@ -412,8 +412,8 @@ def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
 
     import torch
 
-    from gcfamily import bench_child
-    from gcfamily.formats import Formatter
+    from gcfamily.bench import child as bench_child
+    from gcfamily.data.formats import Formatter
     from gcfamily.models import tiny_model, tiny_tokenizer
     from gcfamily.rollout import SamplingSettings, generate
     from gcfamily.tasks import get_task
@@ -426,7 +426,12 @@ def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
                           chunk_size=256, share_prefix=True)
     trainer = SimpleNamespace(cfg=cfg, method=SimpleNamespace(trains_policy=True), task=task, tokenizer=tok, formatter=fmt,
                               unwrapped_policy=lambda: policy, dtype=torch.float32, device="cpu", dist=None, autocast=contextlib.nullcontext)
-    trainer.logprobs = lambda model, batch: Trainer.logprobs(trainer, model, batch)
+    from gcfamily.core.engine import batch_logprobs
+
+    def logprobs(model, batch):  # noqa: ANN001, ANN202  (the run's no-grad pass, as RunServices makes it)
+        return batch_logprobs(model, batch, 1.0, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, torch.device("cpu"))
+
+    trainer.services = SimpleNamespace(logprobs=logprobs)
     got = bench_child.kl_to_reference(trainer, 5)
     rows = task.heldout_rows(5)
     ro = generate(policy, tok, [fmt.prompt_ids(r["prompt"]) for r in rows], 1, SamplingSettings(temperature=1.0, max_new_tokens=6),
@@ -447,7 +452,7 @@ def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
     # float32: the samples' own log-probs stand for pi, so pi_ref alone scores them; in a narrower compute dtype both
     # models score them through the same pass (their roundings would not cancel otherwise)
     scored = []
-    trainer.logprobs = lambda model, batch: scored.append(model) or Trainer.logprobs(trainer, model, batch)
+    trainer.services.logprobs = lambda model, batch: scored.append(model) or logprobs(model, batch)
     for compute, models in ((torch.float32, [ref]), (torch.bfloat16, [policy, ref])):
         scored.clear()
         trainer.precision = SimpleNamespace(compute=compute)

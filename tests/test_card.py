@@ -1,4 +1,4 @@
-"""The model card and console summary of gcfamily/card.py, on hand-made settings and metrics rows."""
+"""The model card and console summary of gcfamily/run/card.py, on hand-made settings and metrics rows."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gcfamily import card
-from gcfamily.card import summary, write_model_card
-from gcfamily.config import parse_sets, resolve, to_dict
+from gcfamily.run import card
+from gcfamily.run.card import summary, write_model_card
+from gcfamily.config import parse_sets, to_dict
+from gcfamily.methods import resolve
 from gcfamily.methods import METHODS, get_method
 from gcfamily.methods.onpolicy import OnPolicy
 

@@ -1,4 +1,4 @@
-"""gcfamily.cpu_attention: the rollout's CPU attention equals SDPA's, leaves what it cannot take to SDPA, and always undoes its switch."""
+"""gcfamily.core.cpu_attention: the rollout's CPU attention equals SDPA's, leaves what it cannot take to SDPA, and always undoes its switch."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from gcfamily import cpu_attention
-from gcfamily.cpu_attention import attention, rollout_attention
+from gcfamily.core import cpu_attention
+from gcfamily.core.cpu_attention import attention, rollout_attention
 
 
 def _oracle(q, k, v, allowed, scale):

@@ -2,8 +2,8 @@
 
 import torch
 
-from gcfamily.data import collate, epoch_indices, split_batch
-from gcfamily.formats import Formatter, encode
+from gcfamily.data.batches import collate, epoch_indices, split_batch
+from gcfamily.data.formats import Formatter, encode
 from gcfamily.models import tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The compiled fixed-shape decode step (gcfamily.decode) against the eager rollout and `model.generate`.
+"""The compiled fixed-shape decode step (gcfamily.rollout.decode) against the eager rollout and `model.generate`.
 
 Compiled with the real inductor backend on the CPU (`rollout_compile: on`); on CUDA `auto` takes the same path
 with CUDA graphs (tests marked gpu).
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gcfamily import decode
+from gcfamily.rollout import decode
 from gcfamily.errors import GcfError
 from gcfamily.rollout import Rollout, SamplingSettings, generate
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gcfamily.config import Config
-from gcfamily.data import collate, select
+from gcfamily.data.batches import collate, select
 from gcfamily.errors import GcfError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def _metrics(run: Path) -> list[dict]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sft_two_processes_equal_one(two_process, tmp_path, strategy):
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path / "one", **SFT))
     one.run()
@@ -106,7 +106,7 @@ def test_sft_two_processes_equal_one(two_process, tmp_path, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_grpo_on_fixed_rollouts_two_processes_equal_one(two_process, tmp_path, strategy):
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path, **GRPO))
     metrics = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
@@ -121,7 +121,7 @@ def test_ppo_two_processes_equal_one_and_fsdp2_shards_the_critic(two_process, tm
     """PPO's policy and critic after two steps on 2 processes = 1 process (advantages whitened over
     both ranks' tokens); under FSDP2 each rank holds half the critic and of its Adam state; a resume
     from the step-1 checkpoint (whole critic state, split again onto the shards) takes the same step 2."""
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path, **PPO))
     first = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
@@ -221,7 +221,7 @@ def test_a_rank_that_loses_its_peer_says_so_in_one_line(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_is_named_by_its_signal():
-    from gcfamily.launch import signal_name
+    from gcfamily.run.launch import signal_name
 
     assert signal_name(9) == "SIGKILL" and signal_name(15) == "SIGTERM"
     assert signal_name(200) == "signal 200"
@@ -232,7 +232,7 @@ def test_step_indices_split_the_global_batch_by_rank():
 
     def share(rank: int, world: int) -> list[int]:
         m = Method(Config(batch_size=6, seed=3))
-        m.trainer = types.SimpleNamespace(dist=types.SimpleNamespace(rank=rank, world_size=world))
+        m.services = types.SimpleNamespace(rank=rank, world_size=world)
         return m.step_indices(50, 4)
 
     whole = share(0, 1)
@@ -241,8 +241,8 @@ def test_step_indices_split_the_global_batch_by_rank():
 
 
 def test_checkpoint_resumes_only_on_the_process_count_that_wrote_it():
-    from gcfamily.distributed import local_state
-    from gcfamily.launch import strip_nproc
+    from gcfamily.run.distributed import local_state
+    from gcfamily.run.launch import strip_nproc
 
     two = {"rng": "r0", "rank_rng": ["r0", "r1"]}
     env = types.SimpleNamespace(rank=1, world_size=2)
@@ -263,8 +263,8 @@ def test_fsdp2_bf16_mixed_precision_on_one_gpu(tmp_path):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from gcfamily.distributed import DistEnv
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.distributed import DistEnv
+    from gcfamily.run.trainer import Trainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -293,8 +293,8 @@ def test_fsdp2_bf16_mixed_precision_on_one_gpu(tmp_path):
 
 def _worker(out: Path) -> None:
     torch.set_num_threads(1)
-    from gcfamily.distributed import DistEnv
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.distributed import DistEnv
+    from gcfamily.run.trainer import Trainer
 
     env = DistEnv.from_env("cpu")
     assert env is not None and env.world_size == 2
@@ -321,7 +321,7 @@ def _worker(out: Path) -> None:
 def _ppo_worker(out: Path, strategy: str, env) -> None:
     """Two PPO steps on the fixed batch (each rank its half), a checkpoint after the first, and a
     resume from it that takes the second step again: policy and critic weights of both."""
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     def share(tr) -> dict:
         batch = fixed_grpo_batch(tr.tokenizer)
@@ -351,7 +351,7 @@ def _late_signal_on_rank_0(out: Path, env) -> None:
     import signal
 
     from gcfamily.errors import Interrupted
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     tr = Trainer(_cfg(out, "ddp", **{**SFT, "max_steps": 4, "save_every": 0, "log_every": 1}), dist_env=env)
     if env.is_main:
@@ -375,8 +375,8 @@ def _rank_0_dies(out: Path) -> None:
     """`gcf run` in each rank (launch.run_process), rank 0 killed by SIGKILL during step 2."""
     import signal
 
-    from gcfamily.launch import run_process
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.launch import run_process
+    from gcfamily.run.trainer import Trainer
 
     if os.environ["RANK"] == "0":
         step = Trainer.train_step
@@ -396,7 +396,7 @@ if __name__ == "__main__":
         _rank_0_dies(Path(sys.argv[1]))
     elif sys.argv[2:] == ["late-signal"]:
         torch.set_num_threads(1)
-        from gcfamily.distributed import DistEnv
+        from gcfamily.run.distributed import DistEnv
 
         dist_env = DistEnv.from_env("cpu")
         try:

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
-from gcfamily.data import split_batch
+from gcfamily.data.batches import split_batch
 from gcfamily.methods import get_method
-from gcfamily.formats import normalize
-from gcfamily.preferences import MALFORMED, preference_rows
+from gcfamily.data.formats import normalize
+from gcfamily.data.preferences import MALFORMED, preference_rows
 from gcfamily.tasks import get_task
 
 PREFERENCE_METHODS = ("dpo", "ipo", "cdpo", "simpo")
@@ -186,7 +186,7 @@ def test_implicit_prompt_is_split():
 
 
 def _trainer(tmp_path, **settings):
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     cfg = Config(**{"model": "tiny", "output_dir": str(tmp_path / "run"), "progress": False, **settings})
     return Trainer(cfg)
@@ -204,7 +204,7 @@ def test_batches_keep_pairs_and_reference(tmp_path):
     mbs = split_batch(batch, tr.cfg.micro_batch_size, tr.method.rows_per_example)
     assert [mb["input_ids"].shape[0] for mb in mbs] == [2, 2, 2]
     # before any step the policy is the reference: every margin is zero
-    lp = tr.logprobs(tr.policy, batch)
+    lp = tr.services.logprobs(tr.policy, batch)
     assert torch.allclose(lp, batch["ref_logps"], atol=1e-5)
     # SimPO holds no reference at all
     simpo = _trainer(tmp_path, method="simpo", max_steps=2, overwrite=True)
@@ -260,7 +260,7 @@ def test_reward_accuracy_rises(tmp_path):
         hits = []
         for s in range(n_steps):
             b = tr.method.data(s)
-            h, _ = tr.method.rewards(b, tr.logprobs(tr.policy, b))
+            h, _ = tr.method.rewards(b, tr.services.logprobs(tr.policy, b))
             hits.append((h[0::2] > h[1::2]).float())
         return float(torch.cat(hits).mean())
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gcfamily import engine
-from gcfamily.data import split_batch
+from gcfamily.core import engine
+from gcfamily.data.batches import split_batch
 from gcfamily.models import tiny_model
 
 
@@ -196,7 +196,7 @@ def _assert_packed_matches_naive(model, batch, g):
 
 def test_packing_without_a_shared_prefix_matches_naive():
     """Right-padded rows of very different lengths (SFT's layout) are packed end to end: same log-probs and gradient."""
-    from gcfamily.data import collate
+    from gcfamily.data.batches import collate
 
     model = tiny_model(50, seed=13)
     g = torch.Generator().manual_seed(14)
@@ -211,7 +211,7 @@ def test_packing_without_a_shared_prefix_matches_naive():
 def test_packed_rows_are_balanced_under_the_cap(monkeypatch):
     """Rows that need more than one packed row are spread evenly (GRPO's 8 samples of 64 tokens behind a 40-token prompt:
     2 x 296 columns, not 488 + 104 padded to 2 x 488), with the same log-probs and gradient as the padded pass."""
-    from gcfamily import packing as packing_mod
+    from gcfamily.core import packing as packing_mod
 
     G, P, C = 8, 5, 8
     ids = torch.cat([torch.arange(3, 3 + P).repeat(G, 1), torch.randint(3, 50, (G, C), generator=torch.Generator().manual_seed(1))], 1)
@@ -235,7 +235,7 @@ def test_packing_is_skipped_when_rows_fill_the_batch():
 
 def test_common_prefix_of_different_prompts_is_shared():
     """Rows that start with the same tokens (a system prompt) before different questions share those."""
-    from gcfamily.data import collate
+    from gcfamily.data.batches import collate
 
     model = tiny_model(50, seed=15)
     g = torch.Generator().manual_seed(16)
@@ -253,7 +253,7 @@ def test_shared_prefix_of_right_padded_pairs():
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 50, (n,), generator=g).tolist() for n in (10, 13)]
     rows = [(p, torch.randint(3, 50, (k,), generator=g).tolist()) for p in prompts for k in (3, 5)]
-    from gcfamily.data import collate
+    from gcfamily.data.batches import collate
 
     batch = collate(rows, 0)
     S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])

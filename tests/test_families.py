@@ -8,7 +8,7 @@ import transformers as tf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gcfamily import engine, families, packing
+from gcfamily.core import engine, families, packing
 from gcfamily.errors import GcfError
 from gcfamily.rollout import SamplingSettings, generate
 

@@ -1,4 +1,4 @@
-"""TRL's dataset formats in, exact token ids and loss masks out (gcfamily/formats.py, gcfamily/dataset.py).
+"""TRL's dataset formats in, exact token ids and loss masks out (gcfamily/data/formats.py, gcfamily/data/sources.py).
 
 The oracle is written by hand: the tiny tokenizer has one token per character, and its chat template
 renders a message as `<|role|>content` + `<eos>` for the assistant + a newline, with `<|assistant|>`
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from conftest import metrics_rows
 
-from gcfamily.dataset import load_rows
+from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
-from gcfamily.formats import Formatter, encode
+from gcfamily.data.formats import Formatter, encode
 from gcfamily.models import TINY_CHAT_TEMPLATE, tiny_tokenizer
 
 TOK = tiny_tokenizer()  # never handed to a Formatter itself: each test gives it a copy (chat_template mutates it)
@@ -437,7 +437,7 @@ HUB_SCRIPT = textwrap.dedent('''
     (dst / "dataset_info.json").write_text(json.dumps(info))
     for f in dst.glob("json-*.arrow"):
         f.rename(f.with_name("tiny-math-" + f.name[len("json-"):]))
-    from gcfamily.dataset import load_rows
+    from gcfamily.data.sources import load_rows
     print("ROWS=" + json.dumps(load_rows("acme/tiny-math", "test", config="main")))
 
     def gcf(*args):

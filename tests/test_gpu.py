@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.models import tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -56,7 +56,7 @@ def test_cuda_bf16_gradients_track_the_cpu_float32_path():
 
 
 def test_compiled_cuda_rollout_equals_eager_and_is_reused():
-    from gcfamily import decode
+    from gcfamily.rollout import decode
     from gcfamily.rollout import SamplingSettings, generate
 
     tok = tiny_tokenizer()

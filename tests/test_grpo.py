@@ -10,14 +10,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
-from gcfamily.data import split_batch
+from gcfamily.data.batches import split_batch
 from gcfamily.methods import get_method
 from gcfamily.methods.grpo import GRPO
 from gcfamily.methods.grpo_variants import DAPO, RLOO, DrGRPO
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 VARIANTS = [GRPO, RLOO, DrGRPO, DAPO]
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gcfamily.config import resolve
+from gcfamily.methods import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--max-steps", "1", "--set", "progress=false", "--set", "batch_size=2", "--set", "max_new_tokens=4"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gcfamily.errors import GcfError
-from gcfamily.logger import RunLogger, read_metrics
+from gcfamily.run.logger import RunLogger, read_metrics
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 ROWS = [

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.config import Config
-from gcfamily.lora import AdapterOffReference
+from gcfamily.models.lora import AdapterOffReference
 from gcfamily.models import tiny_model
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 from conftest import assert_engine_grad_matches_objective
 
@@ -59,7 +59,7 @@ def test_adapter_gradient_equals_autograd_of_the_objective(tmp_path, method, kw)
     assert trainable and all("lora_" in n for n in trainable)  # the base is frozen
     batch = tr.method.prepare(tr.method.data(0))
     if "ref_logps" in batch:  # the reference (adapters off) differs from the perturbed policy: the KL term is live
-        lp = tr.logprobs(tr.unwrapped_policy(), batch)
+        lp = tr.services.logprobs(tr.unwrapped_policy(), batch)
         assert (lp - batch["ref_logps"]).abs().max() > 1e-3
     assert_engine_grad_matches_objective(tr, batch, micro=2)  # several micro-batches, pairs kept whole
     tr.policy.zero_grad()
@@ -77,11 +77,11 @@ def test_reference_is_the_base_model_with_no_copy(tmp_path):
     assert not any(isinstance(m, torch.nn.Module) and m is not tr.policy for m in tr.method.owned_models())  # nothing held besides the policy
     _perturb_adapters(tr.policy)
     batch = tr.method.data(0)
-    got = tr.logprobs(ref, batch)
+    got = tr.services.logprobs(ref, batch)
     base = tiny_model(len(tr.tokenizer), seed=0)  # the oracle: the untouched base model, built afresh
-    want = tr.logprobs(base, batch)
+    want = tr.services.logprobs(base, batch)
     assert torch.allclose(got, want, atol=1e-5)
-    assert (tr.logprobs(tr.unwrapped_policy(), batch) - want).abs().max() > 1e-3  # while the policy itself moved
+    assert (tr.services.logprobs(tr.unwrapped_policy(), batch) - want).abs().max() > 1e-3  # while the policy itself moved
 
 
 def test_ppo_critic_is_adapters_on_the_shared_base(tmp_path):
@@ -161,7 +161,7 @@ def test_lora_under_ddp_equals_one_process(tmp_path):
 def test_returning_freed_heap_changes_no_value(tmp_path, monkeypatch):
     # The rollout and every training micro-batch hand freed pages back (malloc_trim): the same run without it is bitwise equal.
     import gcfamily.rollout
-    import gcfamily.trainer
+    import gcfamily.run.trainer
 
     calls = []
     real = gcfamily.rollout.release_free_heap
@@ -170,12 +170,12 @@ def test_returning_freed_heap_changes_no_value(tmp_path, monkeypatch):
         calls.append(1)
         real()
 
-    monkeypatch.setattr(gcfamily.trainer, "release_free_heap", counted)
+    monkeypatch.setattr(gcfamily.run.trainer, "release_free_heap", counted)
     monkeypatch.setattr(gcfamily.rollout, "release_free_heap", counted)
     with_trim = _trainer(tmp_path / "a", "grpo", max_steps=2, lr=1e-2, mu=2, micro_batch_size=2)
     with_trim.run()
     assert len(calls) >= 2 * (1 + 2 * 4)  # per step: the rollout, and each of mu x 4 micro-batches
-    monkeypatch.setattr(gcfamily.trainer, "release_free_heap", lambda: None)
+    monkeypatch.setattr(gcfamily.run.trainer, "release_free_heap", lambda: None)
     monkeypatch.setattr(gcfamily.rollout, "release_free_heap", lambda: None)
     without = _trainer(tmp_path / "b", "grpo", max_steps=2, lr=1e-2, mu=2, micro_batch_size=2)
     without.run()

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_engine_grad_matches_objective, metrics_rows
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.config import Config
-from gcfamily.data import select
+from gcfamily.data.batches import select
 from gcfamily.errors import GcfError
 from gcfamily.methods.grpo import GRPO
 from gcfamily.methods.gspo import GSPO
@@ -22,7 +22,7 @@ from gcfamily.methods.kto import KTO
 from gcfamily.methods.online_dpo import OnlineDPO
 from gcfamily.methods.orpo import ORPO
 from gcfamily.methods.reinforce import ReinforceBaseline
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
 L3 = math.log(3)
@@ -190,7 +190,7 @@ def test_reinforce_advantages_by_hand():
     b = m.add_advantages({"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)})
     assert b["stat/reinforce/zero_std_frac"] == 0.0 and torch.allclose(b["advantages"], torch.full((4,), 0.3 - 5 / 6))
     # the step's mean is the global batch's: another process adds (sum 3, count 4), so (1 + 3) / 8 = 0.5 joins b
-    m.pending, m.trainer = None, SimpleNamespace(dist=SimpleNamespace(all_sum=lambda t: t + torch.tensor([3.0, 4.0], dtype=t.dtype)))
+    m.pending, m.services = None, SimpleNamespace(all_sum=lambda t: t + torch.tensor([3.0, 4.0], dtype=t.dtype))
     m.add_advantages({"rewards": torch.full((4,), 0.25), "valid": torch.ones(4, dtype=torch.bool)})
     m.after_step(3)  # m_3 = 0.5 * 0.625 + 0.5 * 0.5 = 0.5625; b_3 = 0.5625 / (1 - 0.125) = 9/14
     assert m.baseline == pytest.approx(9 / 14, abs=1e-15)
@@ -256,7 +256,7 @@ def fake_rollout(G=3):
 
 def test_online_dpo_pairs_and_coefficient_by_hand():
     m = make(OnlineDPO, group_size=3, beta=0.5)
-    m.trainer, m.ref = SimpleNamespace(logprobs=lambda model, b, T: b["fake_ref"]), None
+    m.services, m.ref = SimpleNamespace(logprobs=lambda model, b, T: b["fake_ref"]), None
     rollout, logps = fake_rollout()
     pairs = m.prepare(rollout)
     # prompt 0: rewards (0.2, 0.9, 0.5): best sample 1, worst 0. Prompt 1: all 0.3, skipped.
@@ -321,11 +321,11 @@ def test_kto_coefficient_and_z0_by_hand():
     for kl, z0 in [((0.6, -0.2), 0.2), ((-0.6, 0.2), 0.0)]:
         kl_batch = {"loss_mask": torch.tensor([[0, 1, 1]] * 2), "pi": torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]),
                     "ref": torch.zeros(2, 3)}
-        m.trainer, m.ref = SimpleNamespace(logprobs=lambda model, x: x[model], unwrapped_policy=lambda: "pi", dist=None), "ref"
+        m.services, m.ref = SimpleNamespace(logprobs=lambda model, x: x[model], policy=lambda: "pi", all_sum=lambda t: t), "ref"
         out = m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})
         assert out["kto_z0"] == pytest.approx(z0) and out["stat/kto/kl"] == pytest.approx(sum(kl) / 2) and "kl_batch" not in out
     # over every process: another one's two rows sum to 1.0, so z0 = (-0.6 + 0.2 + 1.0) / 4 = 0.15
-    m.trainer.dist = SimpleNamespace(all_sum=lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype))
+    m.services.all_sum = lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype)
     assert m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})["kto_z0"] == pytest.approx(0.15)
 
 

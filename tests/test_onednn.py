@@ -1,12 +1,12 @@
-"""gcfamily.onednn: packed oneDNN linears give the model's own outputs, switch only what they may, and always undo."""
+"""gcfamily.core.onednn: packed oneDNN linears give the model's own outputs, switch only what they may, and always undo."""
 
 import pytest
 import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from gcfamily import onednn
-from gcfamily.onednn import packed_linears
+from gcfamily.core import onednn
+from gcfamily.core.onednn import packed_linears
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN packed linear ops")
 
@@ -104,7 +104,7 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
 
     from gcfamily import rollout
     from gcfamily.config import Config
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     with torch.no_grad(), onednn.packing(False), packed_linears(model, 4) as n:
         assert n == 0 and not any("forward" in m.__dict__ for m in model.modules())
@@ -130,8 +130,8 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
 
 @torch.no_grad()
 def test_an_evaluation_packs_the_weights_once_for_all_its_batches(model, monkeypatch):
-    from gcfamily.evaluate import evaluate_rows, sampled_pass_at_k
-    from gcfamily.formats import Formatter
+    from gcfamily.run.evaluate import evaluate_rows, sampled_pass_at_k
+    from gcfamily.data.formats import Formatter
 
     class Tok:  # ids in, ids out: enough for encoding prompts and generate
         pad_token_id, eos_token_id, chat_template = 0, 1, None

@@ -11,14 +11,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
-from gcfamily.data import split_batch
+from gcfamily.data.batches import split_batch
 from gcfamily.methods import get_method
 from gcfamily.methods.ppo import PPO, explained_variance, gae, value_loss_terms, whiten
 from gcfamily.models import tiny_model, tiny_tokenizer
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
 
@@ -230,7 +230,7 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     m = tr.method
     batch = m.prepare(m.data(0))
     g = torch.Generator().manual_seed(2)
-    batch["old_logps"] = tr.logprobs(tr.policy, batch, 1.0) + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+    batch["old_logps"] = tr.services.logprobs(tr.policy, batch, 1.0) + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
     batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=g) * engine.effective_mask(batch)
     from conftest import assert_engine_grad_matches_objective
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily import engine, precision
+from gcfamily.core import engine, precision
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_model, tiny_tokenizer
-from gcfamily.onednn import packed_linears
-from gcfamily.trainer import Trainer
+from gcfamily.core.onednn import packed_linears
+from gcfamily.run.trainer import Trainer
 
 SFT = dict(method="sft", model="tiny", task="arithmetic", batch_size=4, micro_batch_size=2, progress=False, device="cpu")
 

@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcfamily.cli import main
-from gcfamily.config import INTERNAL, Config, resolve, validate
+from gcfamily.config import INTERNAL, Config
+from gcfamily.methods import resolve
+from gcfamily.config.checks import validate
 from gcfamily.errors import GcfError
 
 INF = math.inf

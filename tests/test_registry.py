@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import metrics_rows
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method, installed_methods, method_label

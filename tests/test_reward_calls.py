@@ -101,7 +101,7 @@ def _run_args(out: Path, *args: str) -> list[str]:
 
 
 def _trainer(tmp_path: Path, **kw):
-    from gcfamily.trainer import Trainer
+    from gcfamily.run.trainer import Trainer
 
     return Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "trainer"), **{**FAST, **kw}))
 

@@ -13,14 +13,14 @@ from click.testing import CliRunner
 
 from gcfamily.cli import main
 from gcfamily.config import Config
-from gcfamily.data import split_batch
+from gcfamily.data.batches import split_batch
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.reward_model import RewardModelTraining
 from gcfamily.models import load_model
-from gcfamily.preferences import MALFORMED, preference_rows
+from gcfamily.data.preferences import MALFORMED, preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss, load_reward_model
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
 from gcfamily.methods import get_method
 from gcfamily.methods.rft import RFT
-from gcfamily.trainer import Trainer
+from gcfamily.run.trainer import Trainer
 
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
 

@@ -132,7 +132,7 @@ WRITES = ["weights", "state", "tokenizer", "manifest", "marker"]
 def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resumable(gcf, tmp_path, monkeypatch, which):
     import torch
 
-    from gcfamily import checkpoint
+    from gcfamily.run import checkpoint
 
     out = tmp_path / "r"
     calls = {"n": 0}
@@ -175,7 +175,7 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
 
 
 def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
-    from gcfamily import checkpoint
+    from gcfamily.run import checkpoint
 
     monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     code, _, err = run(gcf, tmp_path / "r", steps=2)
@@ -184,7 +184,7 @@ def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
 
 
 def test_a_full_disk_at_the_final_model_keeps_the_checkpoint_and_resume_writes_it(gcf, tmp_path, monkeypatch):
-    from gcfamily import precision
+    from gcfamily.core import precision
 
     monkeypatch.setattr(precision, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     out = tmp_path / "r"

@@ -1,4 +1,4 @@
-"""gcfamily.stats against hand-worked formulas, closed forms, tables and brute force."""
+"""gcfamily.core.stats against hand-worked formulas, closed forms, tables and brute force."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from statistics import NormalDist
 
 import pytest
 
-from gcfamily.stats import (
+from gcfamily.core.stats import (
     _t_quantile_large_df,
     mean_interval,
     paired_bootstrap,

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import metrics_rows
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, sample_groups
 from gcfamily.theory.train import (bandit_config, build_method, exact_gradient, one_thread, predicted_gradient,
                                    predicted_policy, step_normaliser, train_bandit)
-from gcfamily.theory.variants import PREDICTED
+from gcfamily.methods.theory_variants import PREDICTED
 
 K4 = BanditProblem(np.array([[0.4, 0.3, 0.2, 0.1]]), np.array([[0.0, 1.0, 2.5, 3.0]]))  # distinct, uneven rewards
 K4_BERNOULLI = BanditProblem(np.array([[0.4, 0.3, 0.2, 0.1]]), np.array([[0.1, 0.3, 0.6, 0.9]]), bernoulli=True)
@@ -72,7 +72,7 @@ def test_exact_expected_gradient_equals_the_prediction(method, problem):
         with one_thread():
             grad = exact_gradient(m, runner, GroupEnumeration(problem, G), step_normaliser(m, problem))
         # the loss averages over prompts and descends: its gradient is -(1/P) times the ascent direction
-        want = predicted_gradient(problem, method, runner.policy.logits.detach().numpy(), G, 0.3, std)
+        want = predicted_gradient(problem, method, runner.bandit.logits.detach().numpy(), G, 0.3, std)
         # the engine works in float32 (log-probs and the weighted sum over ~2600 rows)
         np.testing.assert_allclose(-grad.numpy() * problem.P, want, atol=1e-5 * np.abs(want).max())
         assert np.abs(want).max() > 1e-2

@@ -25,8 +25,9 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
+from gcfamily.config import Config, own_setting_names, read, resolve_settings
 from gcfamily.errors import GcfError
 
 if TYPE_CHECKING:
@@ -51,9 +52,9 @@ METHODS: dict[str, str] = {
     "kto": "gcfamily.methods.kto:KTO",
     "orpo": "gcfamily.methods.orpo:ORPO",
     "reward-model": "gcfamily.methods.reward_model:RewardModelTraining",
-    "grpo-shift": "gcfamily.theory.variants:GRPOShift",
-    "grpo-direct-kl": "gcfamily.theory.variants:GRPODirectKL",
-    "grpo-shift-direct-kl": "gcfamily.theory.variants:GRPOShiftDirectKL",
+    "grpo-shift": "gcfamily.methods.theory_variants:GRPOShift",
+    "grpo-direct-kl": "gcfamily.methods.theory_variants:GRPODirectKL",
+    "grpo-shift-direct-kl": "gcfamily.methods.theory_variants:GRPOShiftDirectKL",
 }
 ENTRY_POINT_GROUP = "gcfamily.methods"
 SPEC_FORMS = "a name from `gcf methods`, module:Class or path/to/file.py:Class"
@@ -98,6 +99,17 @@ def method_label(spec: str) -> str:
         return spec
     cls = get_method(spec)
     return cls.name or cls.__name__.lower()
+
+
+def setting_names(method: Any) -> set[str]:
+    """Every key `--set` takes for a method (a spec or a class): the shared settings and its own."""
+    return own_setting_names(get_method(method) if isinstance(method, str) else method)
+
+
+def resolve(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
+    """Defaults, then the YAML recipe, then command-line values; the method's own settings typed by its class."""
+    cfg = read(config_path, overrides)
+    return resolve_settings(cfg, get_method(cfg.method))
 
 
 # ----------------------------------------------------------------------------- loading

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data import epoch_indices
-from gcfamily.engine import token_weights
+from gcfamily.data.batches import epoch_indices
+from gcfamily.core.engine import token_weights
+
+from gcfamily.methods.services import LocalServices, Services
 
 if TYPE_CHECKING:
-    from gcfamily.formats import Encoded
-    from gcfamily.trainer import Trainer
+    from gcfamily.data.formats import Encoded
 
 Batch = dict[str, Any]
 
@@ -54,7 +55,7 @@ class Method:
         self.cfg = resolve_settings(cfg, type(self))
         self.settings = cfg.settings
         self.norm = cfg.loss_norm or self.default_norm
-        self.trainer: Trainer | None = None
+        self.services: Services = LocalServices()  # one process until setup gives the run's
 
     # -- lifecycle -------------------------------------------------------------------
     setting_defaults: ClassVar[dict[str, Any]] = {}
@@ -74,21 +75,21 @@ class Method:
         """Check this method's settings (shared and its own, `cfg.settings`); raise GcfError with one clear sentence."""
         resolve_settings(cfg, cls)
 
-    def setup(self, trainer: "Trainer") -> None:
-        """Called once with the trainer (policy, tokenizer, engine, task are ready)."""
-        self.trainer = trainer
+    def setup(self, services: Services) -> None:
+        """Called once with the run's services (gcfamily/methods/services.py): policy, tokenizer and task are ready."""
+        self.services = services
 
     @classmethod
     def task_rows(cls, task: Any, cfg: Config, split: str = "train") -> list[dict[str, Any]]:
         """The rows a built-in task gives this method (its prompt-completion rows; DPO and KTO make pairs from them)."""
         return task.rows(split)
 
-    def load_data(self, trainer: "Trainer") -> "Encoded":
+    def load_data(self, services: Services) -> "Encoded":
         """The run's rows (its dataset, else its task's), checked against `data_kind` and tokenised (formats.encode)."""
-        from gcfamily.formats import encode
+        from gcfamily.data.formats import encode
 
         cfg = self.cfg
-        return encode(self.data_kind, trainer.training_rows(), trainer.formatter, cfg.max_length, cfg.long_prompts, self.name or cfg.method)
+        return encode(self.data_kind, services.training_rows(), services.formatter, cfg.max_length, cfg.long_prompts, self.name or cfg.method)
 
     # -- the three parts of a method -------------------------------------------------
     def data(self, step: int) -> Batch:
@@ -158,11 +159,9 @@ class Method:
         """This process's examples of `step`: batch_size examples (the global batch, deterministic in
         seed and step), of which rank r of W takes the r-th contiguous 1/W share."""
         idx = epoch_indices(n, self.cfg.seed, step, self.cfg.batch_size)
-        env = getattr(self.trainer, "dist", None)
-        if env is None:
-            return idx
-        per = len(idx) // env.world_size  # DistEnv.check makes batch_size divisible
-        return idx[env.rank * per : (env.rank + 1) * per]
+        world, rank = self.services.world_size, self.services.rank
+        per = len(idx) // world  # DistEnv.check makes batch_size divisible
+        return idx[rank * per : (rank + 1) * per]
 
     def aggregate(self, per_token: torch.Tensor, batch: Batch, Z: float) -> torch.Tensor:
         """sum_t w_t * term_t / Z: the aggregation of the contract, for textbook objectives."""

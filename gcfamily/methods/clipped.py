@@ -29,7 +29,7 @@ from typing import ClassVar, Optional
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.engine import effective_mask
+from gcfamily.core.engine import effective_mask
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import OnPolicy
@@ -146,6 +146,23 @@ class ClippedOnPolicy(OnPolicy):
 
     def kl_in_loss(self, batch: Batch) -> bool:
         return self.settings.beta > 0 and self.settings.kl_placement == "loss" and "ref_logps" in batch
+
+    def old_and_ref_logps(self, batch: Batch) -> Optional[torch.Tensor]:
+        """pi_old's and pi_ref's log-probs of a rollout, at the sampling temperature, without grad.
+
+        With one pass over one minibatch pi_old == pi at the moment of the step, so no forward is spent on it and
+        `coefficient` uses the detached current log-probs (ratio exactly 1); the KL-in-reward still needs pi_old's
+        log-probs, which are then that same forward's. Sets batch["old_logps"] (several passes) and batch["ref_logps"]
+        (a reference), both [N, L]; returns pi_old's [N, L] where it was computed, else None."""
+        services, T = self.services, self.logprob_temperature()
+        several = self.inner_epochs() > 1 or self.num_minibatches() > 1
+        in_reward = self.settings.kl_placement == "reward" and self.ref is not None
+        old = services.logprobs(services.policy(), batch, T) if several or in_reward else None
+        if several:
+            batch["old_logps"] = old
+        if self.ref is not None:
+            batch["ref_logps"] = services.logprobs(self.ref, batch, T)
+        return old
 
     def kl_reward(self, ref_logps: torch.Tensor, old_logps: torch.Tensor) -> torch.Tensor:
         """KL_t at pi_old (no grad) for kl_placement=reward, [B, L]: what -beta * ... adds to the reward."""

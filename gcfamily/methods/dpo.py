@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data import collate, default_pad_id, epoch_indices
+from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, iter_chunks
-from gcfamily.preferences import preference_rows
+from gcfamily.methods.services import Services
+from gcfamily.data.preferences import preference_rows
 
 _UPFRONT_PAIRS = 512
 """Under an open budget (max_time, max_tokens or max_flops: the steps are not known ahead) a pool of more pairs than this
@@ -68,22 +69,22 @@ class DPO(Method):
     def task_rows(cls, task, cfg: Config, split: str = "train") -> list[dict]:  # type: ignore[no-untyped-def]
         return preference_rows(task, None, cfg.seed, split=split)  # the task's answer vs a wrong or malformed one
 
-    def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        super().setup(trainer)
-        data = self.load_data(trainer)
+    def setup(self, services: Services) -> None:
+        super().setup(services)
+        data = self.load_data(services)
         self.pairs, self.skipped = data.examples, data.n_skipped
-        self.pad_id = default_pad_id(trainer.tokenizer)
+        self.pad_id = default_pad_id(services.tokenizer)
         self.ref: dict[tuple[int, int], torch.Tensor] = {}
         self.ref_model = None  # pi_ref kept to score pairs as the steps reach them (an open budget over a large pool)
         if self.uses_reference:
             cfg, n = self.cfg, len(self.pairs)
             reach = min(n, cfg.max_steps * cfg.batch_size)  # steps 0..max_steps-1 read the first reach positions of the data order
             if (cfg.max_time or cfg.max_tokens or cfg.max_flops) and reach > _UPFRONT_PAIRS:
-                self.ref_model = trainer.reference()  # the policy before any update: a frozen copy, or with LoRA the adapters off
+                self.ref_model = services.reference()  # the policy before any update: a frozen copy, or with LoRA the adapters off
             else:
                 # setup runs before any update (and before a resumed checkpoint is loaded), so the policy here IS the
                 # reference: no copy is made and no reference model stays in memory
-                self.ref = self._reference_logps(trainer.policy, sorted(set(epoch_indices(n, cfg.seed, 0, reach))))
+                self.ref = self._reference_logps(services.policy(), sorted(set(epoch_indices(n, cfg.seed, 0, reach))))
 
     def _reference_logps(self, model, pairs: list[int]) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
         """pi_ref log-probs of the completion tokens of the given pairs (chosen and rejected), by `model` as pi_ref."""
@@ -92,7 +93,7 @@ class DPO(Method):
         model.eval()
         ref = {}
         for chunk in iter_chunks(rows, self.cfg.micro_batch_size):  # length-sorted: little padding
-            lp = self.trainer.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
+            lp = self.services.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
             for b, (i, s) in enumerate(chunk):
                 start = len(self.pairs[i][0])
                 ref[(i, s)] = lp[b, start : start + len(self.pairs[i][s])].clone()

@@ -32,6 +32,7 @@ from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.clipped import ClippedOnPolicy
 from gcfamily.methods.onpolicy import all_equal_groups, masked_group_stats
+from gcfamily.methods.services import Services
 
 
 class GRPO(ClippedOnPolicy):
@@ -73,10 +74,10 @@ class GRPO(ClippedOnPolicy):
         if cfg.group_size < cls.min_group_size:
             raise GcfError(f"{cls.name} needs group_size >= {cls.min_group_size}: a group-relative advantage compares each sample with the others of its group.")
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
+    def setup(self, services: Services) -> None:
+        super().setup(services)
         # No reference model at all when its KL term is not in the loss.
-        self.ref = trainer.reference() if self.settings.beta > 0 else None
+        self.ref = services.reference() if self.settings.beta > 0 else None
         self.ref_refreshes = 0
 
     # -- the advantage, as small functions a variant overrides one of ------------------
@@ -95,10 +96,7 @@ class GRPO(ClippedOnPolicy):
     def _batch_std(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The std of every valid reward of the step, over all processes (scale_rewards=batch), as a [1, 1] tensor."""
         r, v = rewards.double()[valid], valid.sum().double()
-        env = getattr(self.trainer, "dist", None)
-        total = torch.stack([v, r.sum(), (r * r).sum()])
-        if env is not None:
-            total = env.all_sum(total)
+        total = self.services.all_sum(torch.stack([v, r.sum(), (r * r).sum()]))
         n, mean = total[0], total[1] / total[0].clamp(min=1)
         dof = n - 1 if self.settings.std == "sample" else n
         var = (total[2] - n * mean * mean) / dof.clamp(min=1)
@@ -130,17 +128,8 @@ class GRPO(ClippedOnPolicy):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        tr, T, s = self.trainer, self.logprob_temperature(), self.settings
-        in_reward = s.kl_placement == "reward" and self.ref is not None
-        # With one pass over one minibatch pi_old == pi at the moment of the step: no forward is
-        # spent on it and `coefficient` uses the detached current log-probs (ratio exactly 1).
-        several = self.inner_epochs() > 1 or self.num_minibatches() > 1
-        old = tr.logprobs(tr.unwrapped_policy(), batch, T) if several or in_reward else None  # [N, L]
-        if several:
-            batch["old_logps"] = old
-        if self.ref is not None:
-            batch["ref_logps"] = tr.logprobs(self.ref, batch, T)  # [N, L]
-        if in_reward:
+        old = self.old_and_ref_logps(batch)  # [N, L] or None
+        if self.settings.kl_placement == "reward" and self.ref is not None:
             kl = self.kl_reward(batch["ref_logps"], old) * batch["loss_mask"]  # [N, L]
             batch["kl_rewards"] = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
             batch[f"stat/{self.metric_prefix}/kl_reward_mean"] = float(batch["kl_rewards"].mean())
@@ -152,7 +141,7 @@ class GRPO(ClippedOnPolicy):
         if self.ref is None or not K:
             return {}
         if step % K == 0:
-            self.ref.load_state_dict(self.trainer.unwrapped_policy().state_dict())
+            self.ref.load_state_dict(self.services.policy().state_dict())
             self.ref_refreshes += 1
         return {f"{self.metric_prefix}/ref_refreshes": float(self.ref_refreshes)}
 

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data import collate, default_pad_id
-from gcfamily.engine import example_weights
+from gcfamily.data.batches import collate, default_pad_id
+from gcfamily.core.engine import example_weights
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
-from gcfamily.preferences import preference_rows
+from gcfamily.methods.services import Services
+from gcfamily.data.preferences import preference_rows
 
 
 def unpaired_rows(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,19 +81,19 @@ class KTO(Method):
     def task_rows(cls, task: Any, cfg: Config, split: str = "train") -> list[dict[str, Any]]:
         return unpaired_rows(preference_rows(task, None, cfg.seed, split=split))
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
+    def setup(self, services: Services) -> None:
+        super().setup(services)
         cfg = self.cfg
-        data = self.load_data(trainer)  # unpaired rows, or preference pairs split into a desirable and an undesirable row
+        data = self.load_data(services)  # unpaired rows, or preference pairs split into a desirable and an undesirable row
         self.examples, self.skipped = data.examples, data.n_skipped
         self.labels = [row["label"] for row in data.rows]
         if len(self.examples) < 2:
             raise GcfError(f"kto needs at least two rows within max_length={cfg.max_length}; raise max_length.")
-        env = getattr(trainer, "dist", None)
-        if env is not None and cfg.batch_size // env.world_size < 2:
-            raise GcfError(f"kto needs at least 2 examples per process for z0; raise batch_size to {2 * env.world_size}.")
-        self.pad_id = default_pad_id(trainer.tokenizer)
-        self.ref = trainer.reference()
+        world = services.world_size
+        if world > 1 and cfg.batch_size // world < 2:
+            raise GcfError(f"kto needs at least 2 examples per process for z0; raise batch_size to {2 * world}.")
+        self.pad_id = default_pad_id(services.tokenizer)
+        self.ref = services.reference()
 
     def data(self, step: int) -> Batch:
         idx = self.step_indices(len(self.examples), step)
@@ -106,14 +107,11 @@ class KTO(Method):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        tr = self.trainer
+        services = self.services
         kl = batch.pop("kl_batch")
-        batch["ref_logps"] = tr.logprobs(self.ref, batch)  # [B, L]
-        d = ((tr.logprobs(tr.unwrapped_policy(), kl) - tr.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(-1)  # [B]
-        total = torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)])
-        env = getattr(tr, "dist", None)
-        if env is not None:
-            total = env.all_sum(total)
+        batch["ref_logps"] = services.logprobs(self.ref, batch)  # [B, L]
+        d = ((services.logprobs(services.policy(), kl) - services.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(-1)  # [B]
+        total = services.all_sum(torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)]))
         kl_mean = float(total[0] / total[1])
         batch["kto_z0"] = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
         batch["stat/kto/kl"], batch["stat/kto/z0"] = kl_mean, batch["kto_z0"]

@@ -18,15 +18,15 @@ the count is logged (online_dpo/skipped_prompts). Layout, normalisation (sum, Z 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from einops import rearrange, repeat
 
 from gcfamily.config import Config
-from gcfamily.data import select
+from gcfamily.data.batches import select
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
+from gcfamily.methods.services import Services
 from gcfamily.methods.dpo import DPO
 from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
 
@@ -44,9 +44,9 @@ class OnlineDPO(DPO, OnPolicy):
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
 
-    def setup(self, trainer: Any) -> None:
-        OnPolicy.setup(self, trainer)  # prompts and the reward; DPO's offline pairs are not loaded
-        self.ref = trainer.reference()  # pi_ref: the policy as it is before any step
+    def setup(self, services: Services) -> None:
+        OnPolicy.setup(self, services)  # prompts and the reward; DPO's offline pairs are not loaded
+        self.ref = services.reference()  # pi_ref: the policy as it is before any step
 
     data = OnPolicy.data
     data_kind = OnPolicy.data_kind  # prompts, not DPO's offline pairs
@@ -64,7 +64,7 @@ class OnlineDPO(DPO, OnPolicy):
         pairs = select(batch, torch.stack([start + best, start + worst], 1).flatten())  # [2n]: chosen 2i, rejected 2i+1
         pairs["valid"] = repeat(~skip, "n -> (n two)", two=2)  # [2n]
         pairs["example_weight"] = torch.full((2 * len(skip),), 0.5)  # [2n]: a pair is one example
-        pairs["ref_logps"] = self.trainer.logprobs(self.ref, pairs, self.logprob_temperature())  # type: ignore[union-attr]
+        pairs["ref_logps"] = self.services.logprobs(self.ref, pairs, self.logprob_temperature())
         kept = ~skip
         gap = rewards.gather(1, best[:, None]) - rewards.gather(1, worst[:, None])  # [n, 1]
         pairs["stat/online_dpo/skipped_prompts"] = float(skip.sum())

@@ -4,7 +4,7 @@ RFT, GRPO and its variants (and PPO later) differ only in what they make of the 
 samples (`prepare`) and in their coefficient; the data source is this one class:
 
     prompts  = batch_size rows of the task's train split, picked by (seed, step)
-    rollout  = rollout.generate(policy, G samples per prompt, trainer.generator)
+    rollout  = services.generate(prompts, G, sampling)   # the run's generator; eval mode, FSDP2 gathering inside
     rewards  = self.reward_fn.score(...)   # sum_k w_k r_k; a failing sample: valid=False, counted
 
 A sample whose reward failed keeps its row but has valid=False, so the engine gives it no
@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -25,7 +24,8 @@ from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
-from gcfamily.rollout import SamplingSettings, generate
+from gcfamily.methods.services import Services
+from gcfamily.rollout import SamplingSettings, context_length
 
 
 class OnPolicy(Method):
@@ -40,14 +40,12 @@ class OnPolicy(Method):
         if cfg.group_size < 1:
             raise GcfError("Invalid setting: group_size must be >= 1.")
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
+    def setup(self, services: Services) -> None:
+        super().setup(services)
         cfg = self.cfg
-        data = self.load_data(trainer)  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
+        data = self.load_data(services)  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
         self.rows, self.prompt_tokens, self.skipped = data.rows, data.examples, data.n_skipped
-        from gcfamily.rollout import context_length
-
-        ctx = context_length(trainer.unwrapped_policy()) if hasattr(trainer, "unwrapped_policy") else None
+        ctx = context_length(services.policy())
         if ctx is not None:  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
             fits = [i for i, p in enumerate(self.prompt_tokens) if len(p) + cfg.max_new_tokens <= ctx]
             if cfg.long_prompts == "error" and len(fits) < len(self.prompt_tokens):
@@ -74,7 +72,8 @@ class OnPolicy(Method):
         rewards run in this process; module:function and file.py:function rewards run in a worker
         process (rewards/guard.py), each call limited to reward_timeout seconds.
         """
-        cfg, task = self.cfg, self.trainer.task  # type: ignore[union-attr]
+        cfg, services = self.cfg, self.services
+        task = services.task
         specs = reward_specs(cfg.reward)
         weight = float(cfg.reward_weights[0]) if cfg.reward_weights else 1.0  # a single reward's weight
         if cfg.reward_model:
@@ -82,10 +81,10 @@ class OnPolicy(Method):
                 raise GcfError(f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model.")
             from gcfamily.rewards.model import load_reward_model
 
-            fn = load_reward_model(cfg.reward_model, self.trainer.device, self.trainer.dtype, cfg.micro_batch_size)  # type: ignore[union-attr]
+            fn = load_reward_model(cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size)
             return Rewards([Term("reward_model", fn=fn, weight=weight)])
-        if getattr(self.trainer, "rewards", None) is not None:  # objects from Python: functions run in this process
-            specs = list(self.trainer.rewards)  # type: ignore[union-attr]
+        if services.reward_functions is not None:  # objects from Python: functions run in this process
+            specs = list(services.reward_functions)
         if specs:
             return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
         if task is not None:
@@ -95,32 +94,23 @@ class OnPolicy(Method):
     # -- the data source -------------------------------------------------------------
     def data(self, step: int) -> Batch:
         """batch_size prompts (deterministic in seed and step), G samples each, scored."""
-        cfg, trainer = self.cfg, self.trainer
+        cfg, services = self.cfg, self.services
         G = cfg.group_size
         idx = self.step_indices(len(self.rows), step)  # whole groups stay on one rank
         rows = [self.rows[i] for i in idx]
-        policy = trainer.unwrapped_policy()
-        was_training = policy.training
-        policy.eval()
-        try:
-            with trainer.full_parameters():  # FSDP2: gathered for generation, freed after
-                ro = generate(policy, trainer.tokenizer, [self.prompt_tokens[i] for i in idx], G, self.sampling, trainer.generator)
-        finally:
-            policy.train(was_training)
+        ro = services.generate([self.prompt_tokens[i] for i in idx], G, self.sampling)
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
         ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]  # TRL's completion_ids: sampled tokens, EOS included
-        stopping = lambda: getattr(trainer, "_stop_signal", None) is not None  # noqa: E731  SIGTERM/Ctrl-C: a running user reward is abandoned
+        stopping = services.stop_requested  # SIGTERM/Ctrl-C: a running user reward is abandoned
         t0 = time.perf_counter()
         scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)
         reward_s = time.perf_counter() - t0
         rewards, valid, errors = scored.rewards, scored.valid, scored.errors  # [N], [N]
         # Every sample failed? Decided over all processes: one rank's failures alone leave it a step without gradient,
         # and a run that is stopping anyway (its samples abandoned) stops at its checkpoint instead.
-        counts = torch.tensor([float(valid.sum()), float(stopping())])
-        if getattr(trainer, "dist", None) is not None:
-            counts = trainer.dist.all_sum(counts)
+        counts = services.all_sum(torch.tensor([float(valid.sum()), float(stopping())]))
         if len(valid) and counts[0] == 0 and counts[1] == 0:
             raise RewardFailure(scored.failure_message())
         ok = valid.float()
@@ -145,8 +135,8 @@ class OnPolicy(Method):
             "stat/completion/length_mean": float(lengths.mean()),
             "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
         }
-        if hasattr(trainer, "log_samples"):  # the first completion of each of the first 8 prompts, at the metrics' step number
-            trainer.log_samples(step + 1, [{"prompt": prompts[i], "completion": ro.completions[i], "reward": float(rewards[i]) if valid[i] else None}
+        # the first completion of each of the first 8 prompts, at the metrics' step number
+        services.log_samples(step + 1, [{"prompt": prompts[i], "completion": ro.completions[i], "reward": float(rewards[i]) if valid[i] else None}
                                            for i in range(0, min(len(prompts), 8 * G), G)])
         if errors and not self.warned_reward:  # once per run; every step's count is in reward/failed
             self.warned_reward = True

@@ -37,14 +37,16 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
-from gcfamily import lora
+from gcfamily.models import lora
 from gcfamily.config import Config
-from gcfamily.data import to_device
-from gcfamily.engine import build_optimizer, effective_mask, grads_finite
-from gcfamily.packing import backbone_hidden
+from gcfamily.data.batches import to_device
+from gcfamily.core.engine import build_optimizer, effective_mask, second_model_step
+from gcfamily.core.memory import module_mb
+from gcfamily.core.packing import backbone_hidden
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.clipped import ClippedOnPolicy
+from gcfamily.methods.services import Services
 from gcfamily.models import load_model
 
 
@@ -134,20 +136,6 @@ def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: to
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def module_mb(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[float, float]:
-    """(parameters, optimizer state) of a model in MB, this process's shards where it is sharded."""
-    def nbytes(t: torch.Tensor) -> int:  # this process's share of a sharded tensor
-        local = t.to_local() if hasattr(t, "to_local") else t
-        return local.numel() * local.element_size()
-
-    params = sum(nbytes(p) for p in module.parameters())
-    state = 0
-    if optimizer is not None:
-        for s in optimizer.state.values():
-            state += sum(nbytes(v) for v in s.values() if isinstance(v, torch.Tensor))
-    return params / 2**20, state / 2**20
-
-
 # ----------------------------------------------------------------------------------
 # the method
 
@@ -188,52 +176,44 @@ class PPO(ClippedOnPolicy):
             if not ok:
                 raise GcfError(f"Invalid setting: {msg}.")
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
+    def setup(self, services: Services) -> None:
+        super().setup(services)
         cfg = self.cfg
-        self.ref = trainer.reference() if cfg.beta > 0 else None
-        self.critic = self.build_critic(trainer)
+        self.ref = services.reference() if cfg.beta > 0 else None
+        self.critic = self.build_critic(services)
         self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay, tuple(cfg.adam_betas))
         self.critic_tokens = 0.0  # valid tokens the critic's loss summed over since its last step
 
-    def build_critic(self, trainer: Any) -> ValueModel:
+    def build_critic(self, services: Services) -> ValueModel:
         """A copy of the policy's backbone (or of `critic_model`'s, which must share the tokenizer) + a scalar head."""
         name = self.cfg.critic_model
         if name:
-            model, tok = load_model(name, trainer.dtype, trainer.device, self.cfg.trust_remote_code, self.cfg.seed)
-            if tok.get_vocab() != trainer.tokenizer.get_vocab():
+            model, tok = load_model(name, services.dtype, services.device, self.cfg.trust_remote_code, self.cfg.seed)
+            if tok.get_vocab() != services.tokenizer.get_vocab():
                 raise GcfError(f"critic_model={name} has another tokenizer than the policy; the critic reads the policy's tokens, so pick a model of the same family.")
             backbone = model.get_decoder()
             backbone.requires_grad_(True)
-        elif lora.is_peft(trainer.unwrapped_policy()):  # adapters of its own over the policy's frozen base: no copy of the base
-            backbone = lora.shared_base_copy(trainer.unwrapped_policy().get_decoder())
+        elif lora.is_peft(services.policy()):  # adapters of its own over the policy's frozen base: no copy of the base
+            backbone = lora.shared_base_copy(services.policy().get_decoder())
         else:
-            backbone = copy.deepcopy(trainer.unwrapped_policy().get_decoder())
+            backbone = copy.deepcopy(services.policy().get_decoder())
             backbone.requires_grad_(True)
         if self.cfg.activation_checkpointing and hasattr(backbone, "gradient_checkpointing_enable"):
             backbone.gradient_checkpointing_enable()
-        return ValueModel(backbone, backbone.config.hidden_size).to(trainer.device).train()
+        return ValueModel(backbone, backbone.config.hidden_size).to(services.device).train()
 
     # -- prepare: values, per-token rewards, GAE -------------------------------------
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        cfg, tr, T = self.cfg, self.trainer, self.logprob_temperature()
-        several = self.inner_epochs() > 1 or self.num_minibatches() > 1
+        cfg = self.cfg
         kl_reward = self.settings.kl_placement == "reward" and self.ref is not None
-        # One pass over one minibatch: pi_old == pi, so the ratio is exactly 1 (no old_logps); the
-        # KL-in-reward still needs pi_old's log-probs, which are then the same forward's.
-        old = tr.logprobs(tr.unwrapped_policy(), batch, T) if several or kl_reward else None
-        if several:
-            batch["old_logps"] = old  # [N, L]
-        if self.ref is not None:
-            batch["ref_logps"] = tr.logprobs(self.ref, batch, T)  # [N, L]
+        old = self.old_and_ref_logps(batch)  # [N, L] or None
         mask = batch["loss_mask"].float()  # [N, L]
         valid = effective_mask(batch)  # [N, L]
         batch["values"] = self.critic_values(batch) * mask  # [N, L]
         batch["token_rewards"] = self.token_rewards(batch, old)  # [N, L]
         adv, batch["returns"] = gae(batch["token_rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
-        env = getattr(tr, "dist", None)
-        batch["advantages"] = whiten(adv, valid, env.all_sum if env is not None else None) if self.whiten_advantages else adv * valid  # [N, L]
+        batch["advantages"] = whiten(adv, valid, self.services.all_sum) if self.whiten_advantages else adv * valid  # [N, L]
         n = max(float(valid.sum()), 1.0)
         batch["stat/ppo/explained_variance"] = explained_variance(batch["values"], batch["returns"], valid)
         batch["stat/ppo/value_mean"] = float((batch["values"] * valid).sum()) / n
@@ -249,7 +229,7 @@ class PPO(ClippedOnPolicy):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         size = self.cfg.micro_batch_size
         for s in range(0, out.shape[0], size):
-            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.trainer.device)
+            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.services.device)
             out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).float().cpu()
         return out
 
@@ -288,24 +268,13 @@ class PPO(ClippedOnPolicy):
 
     def auxiliary_step_end(self) -> dict[str, float]:
         """Divide the accumulated gradient by the step's token count (the normaliser), clip, step."""
-        params = [p for p in self.critic.parameters() if p.grad is not None]
-        out: dict[str, float] = {}
-        tokens = self.critic_tokens
-        env = getattr(self.trainer, "dist", None)  # under FSDP2 the critic is sharded: norms and checks span the ranks
-        if env is not None:
-            # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or
-            # FSDP2's reduce-scatter when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
-            tokens = float(env.all_sum(torch.tensor([tokens], dtype=torch.float64))) / env.world_size
-        if params and tokens > 0:
-            torch._foreach_div_([p.grad for p in params], tokens)
-            if grads_finite(params) if env is None else env.all_finite(0.0, params):
-                clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-                norm = torch.nn.utils.clip_grad_norm_(params, clip) if env is None else env.clip_grad_norm_(params, clip)
-                out["ppo/critic_grad_norm"] = float(norm)
-                self.critic_optimizer.step()
-            else:
-                out["ppo/critic_skipped"] = 1.0
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        services = self.services
+        # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or FSDP2's reduce-scatter
+        # when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
+        tokens = float(services.all_sum(torch.tensor([self.critic_tokens], dtype=torch.float64))) / services.world_size
+        status, norm = second_model_step(self.critic_optimizer, list(self.critic.parameters()), tokens, self.cfg.grad_clip,
+                                         services.all_finite, services.clip_grad_norm)  # sharded: norms span the ranks
+        out: dict[str, float] = {"ppo/critic_grad_norm": norm} if status == "stepped" else {"ppo/critic_skipped": 1.0} if status == "skipped" else {}
         self.critic_tokens = 0.0
         param_mb, optim_mb = module_mb(self.critic, self.critic_optimizer)
         out.update({"ppo/critic_param_mb": param_mb, "ppo/critic_optimizer_mb": optim_mb, "ppo/critic_memory_mb": param_mb + optim_mb})

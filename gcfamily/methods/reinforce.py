@@ -74,10 +74,7 @@ class ReinforceBaseline(GRPO):
     def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """A [n, G] = R - b (scaled by the step's std with scale_rewards=batch); records the step's mean for b."""
         r = rewards.double()  # [n, G]
-        total = torch.stack([(r * valid).sum(), valid.sum().double()])
-        env = getattr(self.trainer, "dist", None)
-        if env is not None:
-            total = env.all_sum(total)
+        total = self.services.all_sum(torch.stack([(r * valid).sum(), valid.sum().double()]))
         self.pending = (float(total[0]), float(total[1]))
         adv = r - self.baseline
         if self.settings.scale_rewards == "batch":

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config
-from gcfamily.data import collate, default_pad_id, epoch_indices
-from gcfamily.engine import build_optimizer, grads_finite, lr_lambda
+from gcfamily.data.batches import collate, default_pad_id, epoch_indices
+from gcfamily.core.engine import build_optimizer, lr_lambda, second_model_step
+from gcfamily.core.memory import module_mb
 from gcfamily.errors import GcfError
-from gcfamily.formats import encode
+from gcfamily.data.formats import encode
 from gcfamily.methods.base import Batch, Method
-from gcfamily.methods.ppo import module_mb
-from gcfamily.preferences import preference_rows
+from gcfamily.methods.services import Services
+from gcfamily.data.preferences import preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss
 
 
@@ -57,24 +58,24 @@ class RewardModelTraining(Method):
             raise GcfError("reward_model is the input of on-policy methods; `--method reward-model` trains one and writes it to --output-dir.")
 
     # -- data and the model ----------------------------------------------------------
-    def setup(self, trainer: Any) -> None:
-        if getattr(trainer, "dist", None) is not None:  # the reward model is not wrapped for data parallelism
+    def setup(self, services: Services) -> None:
+        if services.world_size > 1:  # the reward model is not wrapped for data parallelism
             raise GcfError("reward-model training runs in one process for now; run it with --nproc 1.")
-        super().setup(trainer)
+        super().setup(services)
         cfg = self.cfg
-        data = self.load_data(trainer)  # preference rows: the dataset's, or pairs made from the task
+        data = self.load_data(services)  # preference rows: the dataset's, or pairs made from the task
         self.skipped = data.n_skipped
-        if trainer.task is None:
+        if services.task is None:
             order = list(range(len(data.examples)))
             random.Random(f"reward-model/{cfg.seed}").shuffle(order)
             n_held = min(len(order) // 10, cfg.eval_samples)  # a seeded tenth, never trained on
             self.heldout, self.pairs = [data.examples[i] for i in order[:n_held]], [data.examples[i] for i in order[n_held:]]
         else:
             self.pairs = data.examples
-            held = preference_rows(trainer.task, cfg.eval_samples, cfg.seed, split="test")
-            self.heldout = encode(self.data_kind, held, trainer.formatter, cfg.max_length, cfg.long_prompts, self.name).examples
-        self.pad_id = default_pad_id(trainer.tokenizer)
-        self.rm = RewardModel.from_causal_lm(trainer.unwrapped_policy(), trainer.tokenizer, cfg.max_length).train()
+            held = preference_rows(services.task, cfg.eval_samples, cfg.seed, split="test")
+            self.heldout = encode(self.data_kind, held, services.formatter, cfg.max_length, cfg.long_prompts, self.name).examples
+        self.pad_id = default_pad_id(services.tokenizer)
+        self.rm = RewardModel.from_causal_lm(services.policy(), services.tokenizer, cfg.max_length).train()
         if cfg.activation_checkpointing and hasattr(self.rm.model, "gradient_checkpointing_enable"):
             self.rm.model.gradient_checkpointing_enable()
         # the reward model is the model this run trains: it takes the run's lr and schedule
@@ -109,17 +110,11 @@ class RewardModelTraining(Method):
 
     def auxiliary_step_end(self) -> dict[str, float]:
         """Mean over the step's pairs, then clip and step; a non-finite step is skipped and counted."""
-        params = [p for p in self.rm.parameters() if p.grad is not None]
-        out: dict[str, float] = {"skipped": 0.0}
-        if params and self.pairs_in_step:
-            torch._foreach_div_([p.grad for p in params], float(self.pairs_in_step))
-            if grads_finite(params):
-                out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")))
-                self.optimizer.step()
-                self.scheduler.step()
-            else:
-                out["skipped"] = 1.0
-        self.optimizer.zero_grad(set_to_none=True)
+        status, norm = second_model_step(self.optimizer, list(self.rm.parameters()), self.pairs_in_step, self.cfg.grad_clip)
+        out: dict[str, float] = {"skipped": float(status == "skipped")}
+        if status == "stepped":
+            out["grad_norm"] = norm
+            self.scheduler.step()
         self.pairs_in_step = 0
         param_mb, optim_mb = module_mb(self.rm, self.optimizer)
         return {**out, "rm/lr": self.scheduler.get_last_lr()[0], "rm/memory_mb": param_mb + optim_mb}
@@ -151,6 +146,6 @@ class RewardModelTraining(Method):
             self.scheduler.load_state_dict(state["scheduler"])
 
     def save_final(self, out_dir: Path) -> bool:
-        if self.trainer is None or self.trainer.is_main:
+        if self.services.is_main:
             self.rm.save(out_dir)
         return True

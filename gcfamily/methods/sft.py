@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from gcfamily.data import collate_masked, default_pad_id
+from gcfamily.data.batches import collate_masked, default_pad_id
 from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.services import Services
 
 
 class SFT(Method):
@@ -19,11 +20,11 @@ class SFT(Method):
     gc_formula = "1"
     default_norm = "token"
 
-    def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        super().setup(trainer)
-        data = self.load_data(trainer)  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
+    def setup(self, services: Services) -> None:
+        super().setup(services)
+        data = self.load_data(services)  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
         self.examples, self.skipped = data.examples, data.n_skipped
-        self.pad_id = default_pad_id(trainer.tokenizer)
+        self.pad_id = default_pad_id(services.tokenizer)
 
     def data(self, step: int) -> Batch:
         idx = self.step_indices(len(self.examples), step)

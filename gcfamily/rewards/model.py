@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gcfamily.data import default_pad_id
-from gcfamily.engine import position_ids_from_mask
+from gcfamily.data.batches import default_pad_id
+from gcfamily.core.engine import position_ids_from_mask
 from gcfamily.errors import GcfError
-from gcfamily.formats import Formatter
+from gcfamily.data.formats import Formatter
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

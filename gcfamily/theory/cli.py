@@ -56,7 +56,7 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     """Train bandit policies with a method and compare them with the predicted stationary policies."""
     from gcfamily.theory.bandit import BanditProblem
     from gcfamily.theory.train import bandit_config, predicted_policy, train_bandit
-    from gcfamily.theory.variants import VARIANT_METHODS, prediction_for
+    from gcfamily.methods.theory_variants import VARIANT_METHODS, prediction_for
 
     from gcfamily.methods import method_label
 
@@ -111,7 +111,7 @@ def _curve(p_grid: np.ndarray, rewards: np.ndarray, bernoulli: bool, method: str
            std: str, variant: Optional[str] = None) -> np.ndarray:
     """Predicted stationary pi(a) over a grid of pi_ref(a); NaN where no stationary point is found."""
     from gcfamily.theory import predictions
-    from gcfamily.theory.variants import prediction_for
+    from gcfamily.methods.theory_variants import prediction_for
 
     pred = prediction_for(method, variant)
     s = pred.adv_scale(G) if G is not None else 1.0

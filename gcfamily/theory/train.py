@@ -23,45 +23,44 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from gcfamily import engine
+from gcfamily.core import engine
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
-from gcfamily.check_world import StubFormatter
+from gcfamily.check.world import StubFormatter
 from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.services import LocalServices
 from gcfamily.models import load_reference
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, make_batch, sample_groups
 from gcfamily.theory.steps import CurvatureStep
-from gcfamily.theory.variants import prediction_for
-from gcfamily.trainer import Trainer
+from gcfamily.methods.theory_variants import prediction_for
 
 
-class BanditRunner:
-    """The part of the Trainer that a method's setup and prepare read, around a bandit policy."""
-
-    logprobs = Trainer.logprobs  # the trainer's own no-grad log-prob pass (pi_old, pi_ref)
-    reference = Trainer.reference  # a frozen copy of the policy (GRPO's pi_ref)
+class BanditRunner(LocalServices):
+    """The theory bench's Services (gcfamily/methods/services.py) around a bandit policy: one process, no sampling (the
+    bandit draws the groups), the engine's own no-grad log-prob pass, float64 logits used as they are."""
 
     def __init__(self, cfg: Config, policy: BanditLM, problem: BanditProblem) -> None:
-        self.cfg, self.policy, self.task = cfg, policy, problem
+        self.cfg, self.bandit, self.task = cfg, policy, problem
         self.device = torch.device("cpu")
         self.tokenizer = None
         self.formatter = StubFormatter()  # the bandit's prompts are token ids of its own: setup only counts the rows
 
-    def training_rows(self) -> list[dict]:
-        return self.task.rows("train")
+    def policy(self) -> BanditLM:
+        return self.bandit
 
-    def unwrapped_policy(self) -> BanditLM:
-        return self.policy
+    def logprobs(self, model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """The run's no-grad log-prob pass (pi_old, pi_ref), micro-batched as the settings say."""
+        cfg = self.cfg
+        return engine.batch_logprobs(model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, self.device)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """No mixed precision: the bandit's float64 logits are used as they are."""
-        return contextlib.nullcontext()
+    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Any) -> Any:
+        raise NotImplementedError("the bandit draws its groups itself (theory.bandit.sample_groups)")
 
     def reference(self) -> torch.nn.Module:
         """A frozen copy of the policy as it is now (GRPO's pi_ref)."""
-        return load_reference(self.policy)
+        return load_reference(self.bandit)
 
 
 DEFAULT_STD = "sample"  # GRPO's default std setting; trained and predicted policies use the same one
@@ -92,7 +91,7 @@ def build_method(cfg: Config, problem: BanditProblem, logits: Optional[np.ndarra
     method.setup(runner)
     if logits is not None:
         with torch.no_grad():
-            runner.policy.head.weight.copy_(torch.as_tensor(np.asarray(logits, dtype=float)).t())
+            runner.bandit.head.weight.copy_(torch.as_tensor(np.asarray(logits, dtype=float)).t())
     return method, runner
 
 
@@ -120,7 +119,7 @@ def exact_gradient(method: Method, runner: BanditRunner, enum: GroupEnumeration,
     """d loss / d logits [P, K] of the expected loss over groups at the current policy."""
     if method.cfg.zero_std == "exclude":
         raise GcfError("exact expected gradients need zero_std=keep: excluding groups makes Z random.")
-    policy = runner.policy
+    policy = runner.bandit
     policy.zero_grad(set_to_none=True)
     batch = method.prepare(enum.batch())
     backward(method, policy, batch, Z, enum.weights(policy))
@@ -170,7 +169,7 @@ def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps:
 
 def _train_exact(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], tol: float) -> TrainResult:
     method, runner = build_method(cfg, problem)
-    policy, step_rule = runner.policy, CurvatureStep(problem.P, fixed=lr)
+    policy, step_rule = runner.bandit, CurvatureStep(problem.P, fixed=lr)
     Z, enum = step_normaliser(method, problem), GroupEnumeration(problem, cfg.group_size)
     history: list[float] = []
     for step in range(steps):
@@ -188,7 +187,7 @@ def _train_exact(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[f
 def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], groups_per_prompt: int,
                    seed: int) -> TrainResult:
     method, runner = build_method(cfg, problem)
-    policy = runner.policy
+    policy = runner.bandit
     lr = lr if lr is not None else 0.1 / cfg.beta
     opt = torch.optim.SGD(policy.parameters(), lr=lr * problem.P)
     gen = torch.Generator().manual_seed(seed)

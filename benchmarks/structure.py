@@ -1,0 +1,167 @@
+"""The package's shape, measured: top-level modules, import circles, upward imports (against the layer table in
+tests/test_layers.py), calls between files in one GRPO step on the tiny model, and the length of the loop.
+
+    python benchmarks/structure.py
+
+Calls between files are counted with sys.setprofile: every Python call whose caller and callee are functions of two
+different files of gcfamily, during one `Trainer.run` of one GRPO step (setup and saving excluded: the step only).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "gcfamily"
+sys.path.insert(0, str(ROOT))
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def import_edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the gcfamily modules it imports anywhere in its text (TYPE_CHECKING and function bodies included)."""
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t.startswith("gcfamily") and t != m:
+                    edges[m].add(t)
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _module(*names: str):  # noqa: ANN202
+    """The first of these modules that imports (the layout before and after the layers change)."""
+    import importlib
+
+    for n in names:
+        try:
+            return importlib.import_module(n)
+        except ImportError:
+            continue
+    raise ImportError(names)
+
+
+def calls_in_one_grpo_step() -> tuple[int, int]:
+    """(calls between files, files taking part) during the second of two GRPO steps on the tiny model: from the
+    start of its data() to the metrics row it logs."""
+    from gcfamily import api
+
+    counts: collections.Counter = collections.Counter()
+    files: set[str] = set()
+    pkg = str(PKG)
+
+    def prof(frame, event, arg):  # noqa: ANN001, ARG001
+        if event != "call":
+            return
+        callee = frame.f_code.co_filename
+        caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+        if callee.startswith(pkg) and caller.startswith(pkg) and callee != caller:
+            counts[(caller, callee)] += 1
+            files.update((caller, callee))
+
+    onpolicy = _module("gcfamily.methods.onpolicy")
+    logger = _module("gcfamily.run.logger")
+    real_data, real_log = onpolicy.OnPolicy.data, logger.RunLogger.log
+
+    def data(self, step, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        if step == 1:
+            sys.setprofile(prof)
+        return real_data(self, step, *a, **k)
+
+    def log(self, step, metrics):  # noqa: ANN001
+        if step == 2:
+            sys.setprofile(None)
+        return real_log(self, step, metrics)
+
+    onpolicy.OnPolicy.data, logger.RunLogger.log = data, log
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            api.train(method="grpo", model="tiny", task="arithmetic", max_steps=2, batch_size=2, group_size=4,
+                      max_new_tokens=8, micro_batch_size=4, progress=False, report_to="none", output_dir=f"{d}/run",
+                      log_completions_every=0)
+    finally:
+        sys.setprofile(None)
+        onpolicy.OnPolicy.data, logger.RunLogger.log = real_data, real_log
+    return sum(counts.values()), len(files)
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_layers import layer_of  # the layer table lives beside its test
+
+    mods = modules()
+    edges = import_edges(mods)
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    up = [(a, b) for a, deps in edges.items() for b in deps if layer_of(b) > layer_of(a)]
+    print(f"top-level modules: {len(top)} ({', '.join(top)})")
+    print(f"folders: {', '.join(sorted(p.name for p in PKG.iterdir() if p.is_dir() and p.name != '__pycache__'))}")
+    cs = circles(edges)
+    print(f"import circles: {len(cs)}" + "".join(f"\n  {len(c)} modules: {' '.join(c)}" for c in cs))
+    print(f"upward imports: {len(up)}" + "".join(f"\n  {a} -> {b}" for a, b in sorted(up)))
+    n, f = calls_in_one_grpo_step()
+    print(f"calls between files in one GRPO step: {n} across {f} files")
+    src = inspect.getsource(_module("gcfamily.run.trainer").Trainer.run)
+    print(f"Trainer.run: {len(src.splitlines())} lines")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,200 @@
+"""One `gcf bench` run, in its own process: a normal Trainer run plus what the trainer does not record.
+
+    python -m gcfamily.bench.child OUT/METHOD/bench_spec.json      # what gcfamily/bench/__init__.py launches
+
+- the GC distribution (GCRecorder): the method's `coefficient` wrapped, the GC of every loss token of the effective
+  mask kept (a random subsample past 200,000);
+- KL to the reference, the same way for every method (kl_to_reference);
+- pass@k from k sampled completions per held-out prompt, beside the greedy accuracy;
+- the evaluation before the first step taken from an earlier run with the same start (reuse_start_evaluation).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from gcfamily.errors import GcfError
+
+GC_KEEP = 200_000
+
+
+class GCRecorder:
+    """Wraps a method's `coefficient` and keeps the GC of every loss token, per step."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch
+
+        from gcfamily.core.engine import effective_mask
+
+        self.trainer, self.values, self.per_step, self.n = trainer, [], {}, 0
+        self.gen = torch.Generator().manual_seed(0)
+        method = trainer.method
+        inner = method.coefficient
+
+        def recording(batch: dict, logps: torch.Tensor) -> torch.Tensor:
+            coef = inner(batch, logps)
+            v = coef.detach()[effective_mask(batch).bool()].float().cpu()
+            self.per_step.setdefault(trainer.step + 1, []).append(v)
+            return coef
+
+        method.coefficient = recording
+
+    def summary(self) -> dict[str, Any]:
+        """Per-step quantiles, overall quantiles and a 40-bin histogram of the recorded GC values."""
+        import torch
+
+        qs = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+        steps = {}
+        for step, parts in sorted(self.per_step.items()):
+            v = torch.cat(parts)
+            if v.numel():
+                steps[step] = dict(zip(["p5", "p25", "p50", "p75", "p95"], _quantiles(v, qs)))
+        allv = torch.cat([torch.cat(p) for p in self.per_step.values()]) if self.per_step else torch.zeros(0)
+        if allv.numel() > GC_KEEP:
+            allv = allv[torch.randperm(allv.numel(), generator=self.gen)[:GC_KEEP]]
+        if not allv.numel():
+            return {"per_step": steps, "tokens": 0}
+        lo, hi = float(allv.min()), float(allv.max())
+        if hi - lo < 1e-12:
+            lo, hi = lo - 0.5, hi + 0.5
+        counts = torch.histc(allv.double(), bins=40, min=lo, max=hi)
+        return {
+            "per_step": steps, "tokens": int(allv.numel()),
+            "quantiles": dict(zip(["p5", "p25", "p50", "p75", "p95"], _quantiles(allv, qs))),
+            "mean": float(allv.mean()), "std": float(allv.std()) if allv.numel() > 1 else 0.0,
+            "zero_frac": float((allv == 0).float().mean()),
+            "hist": {"counts": [int(c) for c in counts.tolist()], "lo": lo, "hi": hi},
+        }
+
+
+def _quantiles(v: Any, qs: Any) -> list[float]:
+    import torch
+
+    v = v.double()
+    if v.numel() > 1_000_000:  # torch.quantile's limit
+        v = v[:: v.numel() // 1_000_000 + 1]
+    return [float(x) for x in torch.quantile(v, qs.double())]
+
+
+def heldout_prompts(trainer: Any, n: int) -> tuple[list[dict[str, Any]], Any]:
+    """(up to n held-out rows, the reward scoring them): the task's held-out prompts and its reward, or the first n rows of the
+    run's eval_dataset and its rewards (--reward); ([], None) when the run has neither or trains no policy. A run that keeps
+    validation rows (a --sweep run) measures on those instead: it never reads the test split."""
+    if not trainer.method.trains_policy:
+        return [], None
+    if trainer.task is not None:
+        rows = trainer.validation_rows()[:n] if trainer.cfg.validation_rows else trainer.task.heldout_rows(n)
+        return rows, trainer.task.reward
+    if trainer.eval_dataset is not None:
+        return trainer._eval_rows()[:n], trainer._eval_reward()
+    return [], None
+
+
+def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
+    """Mean k3(pi_ref / pi) over the tokens of one temperature-1 sample per held-out prompt of the final policy.
+
+    In float32, log pi is the log-prob each token was sampled with (the rollout's, at temperature 1 over the full
+    distribution), so only pi_ref scores the samples: one forward pass over them instead of two. In a narrower compute
+    dtype the sampler's and the scoring pass's roundings differ (they would not cancel as pi nears pi_ref, and k3 would
+    gain a positive bias), so both models score the samples through the same pass."""
+    import torch
+
+    from gcfamily.models import load_model
+    from gcfamily.rollout import SamplingSettings, generate
+
+    cfg = trainer.cfg
+    rows, _ = heldout_prompts(trainer, n_prompts)
+    if not rows:
+        return None
+    policy = trainer.unwrapped_policy().eval()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    ro = generate(policy, trainer.tokenizer, [trainer.formatter.prompt_ids(r["prompt"]) for r in rows], 1,
+                  SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
+    batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
+    ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model
+    float32 = getattr(getattr(trainer, "precision", None), "compute", torch.float32) == torch.float32
+    lp = ro.sample_logps.float().cpu() if float32 else trainer.services.logprobs(policy, batch)  # [N, L]
+    lr = trainer.services.logprobs(ref.eval(), batch)  # [N, L]
+    mask = batch["loss_mask"].bool()
+    d = (lr - lp).double()[mask]
+    return float((torch.expm1(d) - d).mean()) if d.numel() else None
+
+
+def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
+    """Take the evaluation before the first step from `source`, a run of the same suite that starts from the same policy and
+    evaluates the same prompts the same way (the parent's `start_key`), instead of computing it again: greedy decoding
+    of the same model on the same prompts gives the same answers. False (and the run evaluates itself) when source has none."""
+    from gcfamily.run.logger import read_metrics
+
+    try:
+        figures = next({k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(source) if r.get("step") == 0
+                       and any(k.startswith("eval/") for k in r))
+        details = next(line for line in (source / "eval_details.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] == 0)
+    except (OSError, ValueError, StopIteration):
+        return False
+    own = trainer.evaluate
+
+    def evaluate() -> dict[str, float]:
+        if trainer.step != 0:
+            return own()
+        if trainer.is_main:
+            with (trainer.out_dir / "eval_details.jsonl").open("a") as f:
+                f.write(details + "\n")
+        return dict(figures)
+
+    trainer.evaluate = evaluate
+    return True
+
+
+def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
+    """The finished run's KL to the reference and pass@k on (up to) 64 held-out prompts, with their times."""
+    t1 = time.perf_counter()
+    out: dict[str, Any] = {"kl_ref": kl_to_reference(trainer, min(cfg.eval_samples, 64))}
+    out["kl_s"] = time.perf_counter() - t1
+    rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, 64))
+    if rows:  # pass@k beside greedy accuracy: k samples per held-out prompt
+        from gcfamily.run.evaluate import sampled_pass_at_k
+
+        t2 = time.perf_counter()
+        k = max(cfg.group_size, 1)
+        out["pass_at_k"] = sampled_pass_at_k(trainer.unwrapped_policy(), trainer.formatter, rows, reward, k,
+                                             cfg.temperature, cfg.max_new_tokens, cfg.seed + 2)
+        out["pass_s"] = time.perf_counter() - t2
+    return out
+
+
+def child(spec_path: str) -> None:
+    """Run one method as a normal Trainer run; write the GC record and the KL next to its metrics."""
+    from gcfamily.core import onednn
+    from gcfamily.methods import resolve
+    from gcfamily.run.trainer import Trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = resolve(None, spec["settings"])  # as `gcf run --set`: these count as given, over any method default
+    trainer = Trainer(cfg)
+    recorder = GCRecorder(trainer)
+    reused = reuse_start_evaluation(trainer, Path(spec["start_eval_from"])) if spec.get("start_eval_from") else False
+    t0 = time.perf_counter()
+    trainer.run()
+    run_s = time.perf_counter() - t0
+    with onednn.packing(cfg.rollout_pack_weights):  # the run's setting for the rollouts below too
+        extra = _measure(trainer, cfg)
+    extra.update({"gc": recorder.summary(), "run_s": run_s, "steps": trainer.step,
+                  "start_eval_from": spec.get("start_eval_from") if reused else None,
+                  "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())})
+    (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
+    # the finished run keeps its final model; its resumable checkpoints (weights and optimizer state) go
+    shutil.rmtree(Path(cfg.output_dir) / "checkpoints", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    try:
+        child(sys.argv[1])
+    except GcfError as err:  # the parent reports the exit code and points at this log
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 2))

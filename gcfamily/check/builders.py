@@ -1,0 +1,214 @@
+"""The batches of gcfamily/check/__init__.py, one builder per data family: each makes the method, its stub trainer and a batch
+through the method's own `setup`/`prepare`, places ratios, clips, KL values and margins so that every branch of the
+rule is reached, and returns the textbook objective of that batch (gcfamily/check/textbook.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from gcfamily.check.textbook import PIVOT, Textbook, _aggregate, _groups_textbook, _pairs_textbook, _ppo_textbook
+from gcfamily.check.world import FAILED, FAR, REWARDS, WARMUP, G, L, N, StubCritic, StubServices, World, make
+from gcfamily.methods.base import Batch, Method
+
+
+
+
+@dataclass
+class Built:
+    method: Method
+    batch: Batch
+    textbook: Callable[[torch.Tensor], Textbook] | None
+
+
+def _signs(R: list[float], valid: list[bool]) -> list[int]:
+    """The sign of R - mean over the valid rewards of each group (0 for a failed sample or an equal group)."""
+    out = []
+    for i, r in enumerate(R):
+        grp = [R[j] for j in range(i // G * G, i // G * G + G) if valid[j]]
+        c = r - sum(grp) / len(grp)
+        out.append(0 if not valid[i] or abs(c) < 1e-12 else (1 if c > 0 else -1))
+    return out
+
+
+def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: torch.Generator) -> None:
+    """pi_old such that r = pi / pi_old puts tokens (or, for a sequence ratio, rows) on every side of the clip:
+    past 1 + eps_high where A > 0, below 1 - eps where A < 0, inside, and in the band between eps and eps_high."""
+    lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
+    a = min(lo, hi)
+    up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo))
+    band_up = math.log1p(0.5 * (lo + hi)) if lo != hi else None
+    band_down = math.log1p(-0.5 * (lo + hi)) if lo != hi and lo + hi < 2 else None
+    cycles = {1: [up, band_up, math.log1p(0.5 * a), down], -1: [down, band_down, math.log1p(-0.5 * a), up],
+              0: [math.log1p(0.5 * a), up, band_up, math.log1p(-0.5 * a), down, band_down]}
+    cycles = {k: [x for x in c if x is not None] for k, c in cycles.items()}
+    count = Counter()
+    for i, sign in enumerate(signs):
+        cyc, pos = cycles[sign], world.positions(i)
+        if sequence:  # token ratios differ, their mean is the row's target
+            noise = 0.05 * torch.randn(len(pos), generator=gen, dtype=torch.float64)
+            world.log_ratio[i, pos] = cyc[count[sign] % len(cyc)] + noise - noise.mean()
+        else:
+            world.log_ratio[i, pos] = torch.tensor([cyc[(count[sign] + k) % len(cyc)] for k in range(len(pos))], dtype=torch.float64)
+        count[sign] += 1
+
+
+def _scored(world: World, rewards: list[float]) -> Batch:
+    valid = torch.ones(N, dtype=torch.bool)
+    valid[FAILED] = False
+    return {**world.rows(range(N)), "rewards": torch.tensor(rewards), "valid": valid, "prompt_index": torch.arange(N) // G}
+
+
+def _onpolicy(cls: type[Method], settings: dict, world: World) -> tuple[Method, StubServices]:
+    m = make(cls, {"group_size": G, **settings})
+    return m, StubServices(m.cfg, world, m.logprob_temperature())
+
+
+def _place_clip_and_kl(m: Method, world: World, signs: list[int], tb: dict, gen: torch.Generator) -> None:
+    if m.inner_epochs() > 1 or m.num_minibatches() > 1:  # pi_old differs from pi: a later inner epoch
+        _design_ratios(world, signs, m.settings, tb["ratio"] == "sequence", gen)
+    world.ref_offset[FAR, world.positions(FAR)[0]] = -25.0  # |log pi_ref/pi| past any clamp
+
+
+def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """On-policy groups (GRPO and its variants): the method's setup and prepare on 4 prompts x G scored samples,
+    after one warm-up step (prepare, after_step) that sets any running state such as a baseline."""
+    m, stub = _onpolicy(cls, settings, world)
+    _place_clip_and_kl(m, world, _signs(REWARDS, [i != FAILED for i in range(N)]), tb or {"ratio": cls.ratio_level}, gen)
+    m.setup(stub)  # type: ignore[arg-type]
+    warm = torch.tensor(WARMUP)
+    m.prepare({**world.rows(range(N)), "rewards": warm, "valid": torch.ones(N, dtype=torch.bool), "prompt_index": torch.arange(N) // G})
+    m.after_step(1)
+    raw = _scored(world, REWARDS)
+    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
+
+
+def build_ppo(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """PPO: its prepare (values, token rewards, GAE, whitening) with a stub critic in place of setup's model."""
+    m, stub = _onpolicy(cls, settings, world)
+    _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
+    m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
+    m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
+    raw = _scored(world, REWARDS)
+    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    return Built(m, batch, None if tb is None else (lambda lp: _ppo_textbook(lp, raw, stub, m, tb)))
+
+
+def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None, s: Any) -> None:
+    """pi_ref such that the pairs' margins lie on both sides of the loss's pivot (losses with a reference)."""
+    if not tb or tb["loss"] not in PIVOT:
+        return
+    for k, (w, l) in enumerate(pairs):
+        d = float(-(world.ref_offset[w] * world.loss_mask[w]).sum() + (world.ref_offset[l] * world.loss_mask[l]).sum())
+        target = (PIVOT[tb["loss"]](s) + (1 if k % 2 == 0 else -1) * (0.4 + 0.2 * k)) / s.beta  # d at the wanted margin
+        world.ref_offset[w, world.positions(w)[0]] += d - target
+
+
+def build_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """Offline preference pairs (DPO and its variants): chosen at 2i, rejected at 2i+1, example weight 1/2."""
+    m = make(cls, settings)
+    pairs = [(2 * k, 2 * k + 1) for k in range(N // 2)]
+    _design_margins(world, pairs, tb, m.settings)
+    batch = {**world.rows(range(N)), "example_weight": torch.full((N,), 0.5)}
+    stub = StubServices(m.cfg, world, 1.0)
+    ref = stub.logprobs(stub.ref, world.rows(range(N))).double()
+    if getattr(cls, "uses_reference", True):
+        batch["ref_logps"] = ref.float()
+    return Built(m, batch, None if tb is None else (lambda lp: _pairs_textbook(lp, pairs, ref, world, m, tb, Counter())))
+
+
+def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
+    """Online DPO (Guo et al. 2024): per prompt, the best and the worst valid sample (the first of equals) as a pair;
+    a prompt whose valid rewards are all equal forms none."""
+    R, valid, pairs = raw["rewards"].tolist(), raw["valid"].tolist(), []
+    br = Counter({"failed rewards": valid.count(False)})
+    for g in range(N // G):
+        idx = [i for i in range(g * G, g * G + G) if valid[i]]
+        r = [R[i] for i in idx]
+        if len(idx) < 2 or max(r) == min(r):
+            br["prompts skipped (equal rewards)"] += 1
+            continue
+        pairs.append((idx[r.index(max(r))], idx[r.index(min(r))]))
+    ref = stub.logprobs(stub.ref, stub.world.rows(range(N))).double()
+    t = _pairs_textbook(lp_all, pairs, ref, stub.world, m, tb, br)
+    return Textbook(t.J, br, t.required | {"failed rewards", "prompts skipped (equal rewards)"})
+
+
+def build_online_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """Online DPO: the method's setup and prepare pair its own scored samples."""
+    m, stub = _onpolicy(cls, settings, world)
+    _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
+    m.setup(stub)  # type: ignore[arg-type]
+    raw = _scored(world, REWARDS)
+    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)))
+
+
+def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubServices, m: Method) -> Textbook:
+    """KTO (Ethayarajh et al. 2024, eq. 8): lambda_y (1 - sigmoid(+-beta (r - z0))), r = sum_t log pi/pi_ref,
+    z0 = max(0, mean of r over mismatched prompt/completion rows), held constant."""
+    s, mask = m.settings, raw["loss_mask"].double()
+    kl = ((stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows["loss_mask"]).sum(-1)
+    z0 = max(0.0, float(kl.mean()))
+    r = ((lp_all[raw["row_id"]] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
+    good = raw["desirable"]
+    loss = torch.where(good, s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
+                       s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)))  # [B]: lambda_y (1 - sigmoid(...))
+    br = Counter({"z0 = 0 (mean KL below 0)": int(z0 == 0.0), "z0 > 0": int(z0 > 0.0)})
+    for label, sel in (("desirable", good), ("undesirable", ~good)):
+        br[f"{label}, r > z0"] += int((sel & (r.detach() > z0)).sum())
+        br[f"{label}, r < z0"] += int((sel & (r.detach() < z0)).sum())
+    return Textbook(-loss.sum() / len(r), br, set(br))
+
+
+def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """KTO: rows 0..7 labelled alternately, rows 8..15 the mismatched pairs of z0; prepare on the stub trainer."""
+    m = make(cls, settings)
+    stub = StubServices(m.cfg, world, 1.0)
+    m.services, m.ref = stub, stub.reference()  # type: ignore[assignment,attr-defined]
+    n = N // 2
+    sign = 1.0 if seed % 2 == 0 else -1.0  # the mismatched rows' mean KL: below 0 (z0 clamped) or above
+    world.ref_offset[n:] = (0.2 * torch.randn(n, L, generator=gen, dtype=torch.float64) + sign * 0.5) * world.loss_mask[n:]
+    z0 = max(0.0, float(-(world.ref_offset[n:] * world.loss_mask[n:]).sum(-1).mean()))
+    for k in range(n):  # r = z0 +- delta for both labels
+        target = z0 + (1 if (k // 2) % 2 == 0 else -1) * (0.5 + 0.25 * k) / m.settings.beta
+        world.ref_offset[k, world.positions(k)[0]] -= target + float((world.ref_offset[k] * world.loss_mask[k]).sum())
+    raw = {**world.rows(range(n)), "desirable": torch.tensor([k % 2 == 0 for k in range(n)])}
+    kl_rows = world.rows(range(n, N))
+    batch = m.prepare({**{k: v.clone() for k, v in raw.items()}, "kl_batch": dict(kl_rows)})
+    return Built(m, batch, None if tb is None else (lambda lp: _kto_textbook(lp, raw, kl_rows, stub, m)))
+
+
+def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """Rejection sampling: the method's prepare keeps the valid samples whose reward clears the threshold."""
+    m, stub = _onpolicy(cls, settings, world)
+    m.setup(stub)  # type: ignore[arg-type]
+    raw = _scored(world, REWARDS)
+    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+
+    def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
+        kept = raw["valid"] & (raw["rewards"] >= m.settings.reward_threshold)
+        br = Counter({"kept": int(kept.sum()), "rejected": int((raw["valid"] & ~kept).sum()),
+                      "failed rewards": int((~raw["valid"]).sum())})
+        J = _aggregate(lp_all[raw["row_id"]], raw["loss_mask"].double(), kept.double(), m.norm, m.cfg.norm_constant)
+        return Textbook(J, br, set(br))
+
+    return Built(m, batch, None if tb is None else textbook)
+
+
+def build_demonstrations(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+    """SFT: fixed rows of several lengths; J is the log-likelihood under the method's aggregation."""
+    m, rows = make(cls, settings), world.rows(range(N // 2))
+
+    def textbook(lp_all: torch.Tensor) -> Textbook:
+        every = torch.ones(N // 2, dtype=torch.float64)
+        J = _aggregate(lp_all[rows["row_id"]], rows["loss_mask"].double(), every, m.norm, m.cfg.norm_constant)
+        return Textbook(J, Counter(), set())
+
+    return Built(m, rows, None if tb is None else textbook)

@@ -1,0 +1,219 @@
+"""The textbook of gcfamily/check/__init__.py: each family's objective restated from its paper, sharing no code with the methods."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gcfamily.check.world import G, L, N, StubCritic, StubServices, World
+from gcfamily.methods.base import Batch, Method
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, norm: str, C: float) -> torch.Tensor:
+    """Over the rows that count: the token mean; the mean of sequence means (1/G sum_i 1/|o_i| sum_t); the mean
+    of sequence sums; or the sums over C per sequence (Dr. GRPO)."""
+    m = mask * rows[:, None]
+    if norm == "token":
+        return (per_token * m).sum() / m.sum()
+    n = rows.sum()
+    if norm == "sequence":
+        return ((per_token * m).sum(-1) / mask.sum(-1)).sum() / n
+    return (per_token * m).sum() / (n * (C if norm == "constant" else 1.0))
+
+
+def _kl(name: str, log_rho: torch.Tensor, log_r: torch.Tensor) -> torch.Tensor:
+    """Schulman's estimators of KL(pi || pi_ref) at a token, rho = pi_ref / pi: k1 = log(pi/pi_ref), k2 = its
+    square / 2, k3 = rho - 1 - log rho, and k3 weighed by r = pi / pi_old."""
+    rho = torch.exp(log_rho)
+    k3 = rho - 1 - log_rho
+    return {"k1": -log_rho, "k2": log_rho * log_rho / 2, "k3": k3, "k3-importance-weighted": torch.exp(log_r) * k3}[name]
+
+
+def _clip_terms(tb: dict, s: Any, lp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, A: torch.Tensor,
+                mask: torch.Tensor, on: torch.Tensor, br: Counter) -> torch.Tensor:
+    """min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t per token [B, L] (PPO, eq. 7), r per token or per
+    sequence (GSPO, eq. 5); counts which side of the clip each token (or row) is on."""
+    lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
+    log_r = lp - old  # [B, L]
+    if tb["ratio"] == "sequence":
+        r = torch.exp((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(lp)
+    else:
+        r = torch.exp(log_r)
+    per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+    rd, Ad = r.detach(), A.expand_as(r)
+    level = "sequences" if tb["ratio"] == "sequence" else "tokens"
+    cells = on.any(-1) if level == "sequences" else on
+    pick = (lambda x: x[:, 0]) if level == "sequences" else (lambda x: x)
+    rd, Ad = pick(rd), pick(Ad)
+    low, high = (Ad < 0) & (rd < 1 - lo), (Ad > 0) & (rd > 1 + hi)
+    br[f"{level} clipped low"] += int((low & cells).sum())
+    br[f"{level} clipped high"] += int((high & cells).sum())
+    br[f"{level} unclipped, r != 1"] += int((~low & ~high & (Ad != 0) & ((rd - 1).abs() > 1e-6) & cells).sum())
+    a, b = min(lo, hi), max(lo, hi)
+    band = ((Ad > 0) & (rd > 1 + a) & (rd <= 1 + b)) | ((Ad < 0) & (rd < 1 - a) & (rd >= 1 - b))
+    br[f"{level} in the band between eps and eps_high"] += int((band & cells).sum()) if lo != hi else 0
+    if ref is not None and s.beta > 0 and s.kl_placement == "loss":
+        c = math.inf if s.kl_clamp is None else s.kl_clamp
+        d = ref - lp
+        name = "k3" if s.kl_estimator == "auto" else s.kl_estimator
+        per = per - s.beta * _kl(name, torch.clamp(d, -c, c), log_r)
+        br["KL past the clamp"] += int(((d.detach().abs() > c) & on).sum())
+        br["KL within the clamp" if c < math.inf else "KL, no clamp"] += int(((d.detach().abs() <= c) & on).sum())
+    return per
+
+
+def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
+    lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
+    req = set()
+    if several:
+        req |= {"clipped low", "clipped high", "unclipped, r != 1"} | ({"in the band between eps and eps_high"} if lo != hi else set())
+    if s.beta > 0 and s.kl_placement == "loss":
+        req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
+    if br_kl_reward:
+        req |= {"KL in the reward"}
+    return req
+
+
+def _group_advantages(R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N] and the rows of groups whose valid rewards are all equal. group: (R - mean) / (std + std_eps) over the
+    group (DeepSeekMath 4.1.2; std of the whole step with scale_rewards=batch, none: R - mean), 0 for an equal
+    group; leave-one-out: R - mean of the others (RLOO); running baseline: R - b (Williams 1992)."""
+    A, equal = torch.zeros(len(R), dtype=torch.float64), torch.zeros(len(R), dtype=torch.bool)
+    sample = getattr(s, "std", "sample") == "sample"
+    allv = R[valid]
+    step_std = float(allv.std(unbiased=sample)) if len(allv) > int(sample) else 0.0
+    for g in range(len(R) // G):
+        idx = [i for i in range(g * G, (g + 1) * G) if valid[i]]
+        r = R[idx]
+        equal[g * G : (g + 1) * G] = len(r) < 2 or bool((r == r[0]).all())
+        if tb["advantage"] == "running baseline":
+            a = r - b
+            scale = step_std + s.std_eps if s.scale_rewards == "batch" else 1.0
+            A[idx] = a / scale if scale > 0 else a
+            continue
+        if equal[g * G]:
+            continue
+        if tb["advantage"] == "leave-one-out":
+            A[idx] = r - (r.sum() - r) / (len(r) - 1)
+            continue
+        c = r - r.mean()
+        if s.scale_rewards == "none":
+            A[idx] = c
+        else:
+            scale = (float(r.std(unbiased=sample)) if s.scale_rewards == "group" else step_std) + s.std_eps
+            A[idx] = c / scale if scale > 0 else 0.0
+    return A, equal
+
+
+@dataclass
+class Textbook:
+    J: torch.Tensor
+    branches: Counter
+    required: set[str]
+
+
+def _groups_textbook(lp_all: torch.Tensor, raw: Batch, warm: torch.Tensor, stub: StubServices, m: Method, tb: dict) -> Textbook:
+    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
+    lp, R, valid = lp_all[ids], raw["rewards"].double(), raw["valid"].bool()
+    old, ref = stub.logprobs(stub.policy_model, raw).double(), stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    br = Counter({"failed rewards": int((~valid).sum())})
+    b = float(warm.double().mean())
+    in_reward = ref is not None and s.kl_placement == "reward"
+    if in_reward:  # -beta * sum_t KL_t at pi_old joins each sample's reward (k1 unless set)
+        c = math.inf if s.kl_clamp is None else s.kl_clamp
+        name = "k1" if s.kl_estimator == "auto" else s.kl_estimator
+        kl = (_kl(name, torch.clamp(ref - old, -c, c), torch.zeros_like(old)) * mask).sum(-1)  # [N]
+        R, b = R - s.beta * kl, float((warm.double() - s.beta * kl).mean())
+        br["KL in the reward"] += int(valid.sum())
+    A, equal = _group_advantages(R, valid, tb, s, b)
+    kept = tb["advantage"] == "running baseline"
+    rows = valid & ~(equal if s.zero_std == "exclude" and not kept else torch.zeros_like(valid))
+    on = mask.bool() & rows[:, None]
+    br["equal-reward groups" + (" (A = R - b kept)" if kept else "")] += int(equal[::G].sum())
+    br["equal-reward groups out of Z"] += int((equal & ~rows & valid).any()) if s.zero_std == "exclude" else 0
+    br["rows with A > 0"], br["rows with A < 0"] = int(((A > 0) & rows).sum()), int(((A < 0) & rows).sum())
+    per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br)
+    several = m.inner_epochs() > 1 or m.num_minibatches() > 1
+    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward)
+    req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
+    req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
+    return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
+
+
+def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
+    """GAE (Schulman et al. 2016) on the reward at the last token minus beta * KL_t at pi_old (kl_placement=reward),
+    whitened over the step's valid tokens, in the clipped surrogate."""
+    s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
+    lp, valid = lp_all[ids], raw["valid"].bool()
+    old, ref = stub.logprobs(stub.policy_model, raw).double(), stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    values = (StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask).tolist()
+    rwd = torch.zeros(N, L, dtype=torch.float64)
+    br = Counter({"failed rewards": int((~valid).sum())})
+    for i in range(N):
+        rwd[i, stub.world.positions(int(ids[i]))[-1]] = float(raw["rewards"][i]) if valid[i] else 0.0
+    in_reward = ref is not None and s.kl_placement == "reward"
+    if in_reward:
+        c = math.inf if s.kl_clamp is None else s.kl_clamp
+        name = "k1" if s.kl_estimator == "auto" else s.kl_estimator
+        rwd = rwd - s.beta * _kl(name, torch.clamp(ref - old, -c, c), torch.zeros_like(old)) * mask
+        br["KL in the reward"] += int(valid.sum())
+    A = torch.zeros(N, L, dtype=torch.float64)
+    for i in range(N):
+        next_v = next_a = 0.0  # the state after the last token is terminal
+        for t in reversed(stub.world.positions(int(ids[i]))):
+            next_a = float(rwd[i, t]) + cfg.gamma * next_v - values[i][t] + cfg.gamma * cfg.lam * next_a
+            A[i, t], next_v = next_a, values[i][t]
+    on = mask.bool() & valid[:, None]
+    if type(m).whiten_advantages:
+        x = A[on]
+        A = torch.where(on, (A - x.mean()) / (x.std() + 1e-8), 0.0)
+    br["tokens with A > 0"], br["tokens with A < 0"] = int(((A > 0) & on).sum()), int(((A < 0) & on).sum())
+    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br)
+    several = m.inner_epochs() > 1 or m.num_minibatches() > 1
+    req = {"failed rewards", "tokens with A > 0", "tokens with A < 0"} | _clip_required(s, several, in_reward)
+    return Textbook(_aggregate(per, mask, valid.double(), m.norm, cfg.norm_constant), br, req)
+
+
+def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor, w: list[int],
+               l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss per pair [P] and its branch variable minus the loss's pivot (its sign is the branch):
+    DPO -log sigmoid(beta d) (Rafailov et al. 2023), cDPO (Mitchell 2023), IPO (d - 1/(2 beta))^2 (Azar et al. 2023,
+    eq. 17), SimPO -log sigmoid(beta (mean_w - mean_l) - gamma) (Meng et al. 2024), ORPO -mean_w - lambda log
+    sigmoid(log odds_w - log odds_l) (Hong et al. 2024); d = sum_t log(pi/pi_ref), chosen minus rejected."""
+    mean = (lp * mask).sum(-1) / mask.sum(-1)  # [B]
+    if name in ("dpo", "cdpo", "ipo"):
+        tot = ((lp - ref) * mask).sum(-1)  # [B]
+        d = tot[w] - tot[l]  # [P]
+        beta = s.beta
+        if name == "ipo":
+            return (d - 1 / (2 * beta)) ** 2, beta * d - 0.5
+        m = beta * d
+        if name == "dpo":
+            return F.softplus(-m), m
+        eps = s.label_smoothing
+        return (1 - eps) * F.softplus(-m) + eps * F.softplus(m), m - math.log((1 - eps) / eps) if eps > 0 else m
+    if name == "simpo":
+        u = s.beta * (mean[w] - mean[l]) - s.simpo_gamma
+        return F.softplus(-u), u
+    odds = mean - torch.log(-torch.expm1(mean))  # log(P / (1 - P)), P = exp(mean)
+    z = odds[w] - odds[l]
+    return -mean[w] + s.orpo_lambda * F.softplus(-z), z
+
+
+# the margin m = beta * d where each loss turns: DPO's sign, IPO's target 1/2, where cDPO's GC changes sign
+PIVOT = {"dpo": lambda s: 0.0, "ipo": lambda s: 0.5,
+         "cdpo": lambda s: math.log((1 - s.label_smoothing) / s.label_smoothing) if s.label_smoothing > 0 else 0.0}
+
+
+def _pairs_textbook(lp_all: torch.Tensor, pairs: list[tuple[int, int]], ref_all: torch.Tensor | None, world: World, m: Method,
+                    tb: dict, br: Counter) -> Textbook:
+    w, l = [p[0] for p in pairs], [p[1] for p in pairs]
+    loss, u = _pair_loss(tb["loss"], m.settings, lp_all, ref_all, world.loss_mask.double(), w, l)
+    br["pairs above the loss's pivot"] += int((u.detach() > 0).sum())
+    br["pairs below the loss's pivot"] += int((u.detach() < 0).sum())
+    return Textbook(-loss.sum() / len(pairs), br, {"pairs above the loss's pivot", "pairs below the loss's pivot"})

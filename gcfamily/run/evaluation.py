@@ -1,0 +1,103 @@
+"""The Trainer's rows and evaluations: what a method trains on, the validation rows kept out of it, and the greedy
+held-out figures (eval_at_ends, eval_every, eval_every_s). A mixin of gcfamily.run.trainer.Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gcfamily.data.sources import load_rows
+from gcfamily.errors import GcfError
+
+
+class Evaluation:
+    """Training rows, validation rows and held-out evaluation."""
+
+    def training_rows(self) -> list[dict[str, Any]]:
+        """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
+        cfg = self.cfg
+        if self.dataset is not None:
+            return load_rows(self.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
+        if self.task is not None:
+            rows = self.method_cls.task_rows(self.task, cfg)
+            if cfg.validation_rows:  # the validation prompts never train
+                held = {str(r["prompt"]) for r in self.validation_rows()}
+                rows = [r for r in rows if str(r["prompt"]) not in held]
+                if not rows:
+                    raise GcfError(f"validation_rows={cfg.validation_rows} leaves no training rows of task {cfg.task}; lower it.")
+            return rows
+        raise GcfError(f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME.")
+
+    def validation_rows(self) -> list[dict[str, Any]]:
+        """The last validation_rows rows of the task's train split (never trained on when validation_rows > 0)."""
+        train = self.task.rows("train")
+        if self.cfg.validation_rows >= len(train):
+            raise GcfError(f"validation_rows={self.cfg.validation_rows} is not smaller than task {self.cfg.task}'s {len(train)} training rows; lower it.")
+        return train[len(train) - self.cfg.validation_rows:]
+
+    def _load_task(self) -> Any:
+        if self.cfg.task is None or self.dataset is not None:  # a dataset replaces the task: its accuracy is never reported
+            return None
+        from gcfamily.tasks import get_task
+
+        seed = self.cfg.seed if self.cfg.task_seed is None else self.cfg.task_seed
+        return get_task(self.cfg.task, seed=seed, **self.cfg.task_options)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out figures: on eval_dataset, its mean reward (and accuracy where rows carry an answer);
+        else on the task, its accuracy. Nothing when neither exists or no policy is trained."""
+        if not self.method.trains_policy or (self.task is None and self.eval_dataset is None):
+            return {}
+        from gcfamily.run.evaluate import evaluate_rows
+
+        cfg = self.cfg
+        unwrapped = self.unwrapped_policy()
+        was_training = unwrapped.training
+        details: list[dict[str, Any]] = []
+        with self.full_parameters(), self.autocast():
+            if self.eval_dataset is not None:
+                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
+            else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
+                validation = bool(cfg.validation_rows)  # then the test split is never read
+                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.heldout_rows(cfg.eval_samples)
+                out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
+                out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
+        unwrapped.train(was_training)
+        if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
+            with (self.out_dir / "eval_details.jsonl").open("a") as f:
+                f.write(json.dumps({"step": self.step, "rows": details}) + "\n")
+        return out
+
+    def _check_evaluation(self) -> None:
+        """Refuse, before training, an evaluation that could not run or would report the wrong thing."""
+        cfg = self.cfg
+        wanted = cfg.eval_at_ends or cfg.eval_every or cfg.eval_every_s
+        if not wanted or not self.method.trains_policy:
+            return
+        if self.eval_dataset is None and self.dataset is not None:
+            raise GcfError("Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
+                           "and a --reward; a built-in task's accuracy is never reported for it.")
+        if self.eval_dataset is not None:
+            from gcfamily.data.formats import encode
+
+            encode("prompts", self._eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
+            self._eval_reward()
+
+    def _eval_rows(self) -> list[dict[str, Any]]:
+        if not hasattr(self, "_eval_cache"):
+            cfg = self.cfg
+            self._eval_cache = load_rows(self.eval_dataset, cfg.eval_split, cfg.dataset_config, cfg.columns)
+        return self._eval_cache
+
+    def _eval_reward(self) -> Any:
+        """The run's reward: the on-policy method's own, else the rewards given (--reward, or functions from Python)."""
+        fn = getattr(self.method, "reward_fn", None) or getattr(self, "_eval_reward_fn", None)
+        if fn is None:
+            from gcfamily.rewards import Rewards, reward_specs
+
+            specs = list(self.rewards) if self.rewards is not None else reward_specs(self.cfg.reward)
+            if not specs:
+                raise GcfError("Evaluating on eval_dataset needs a reward to score completions with: pass --reward (e.g. numeric).")
+            fn = self._eval_reward_fn = Rewards.from_specs(specs, self.cfg.reward_weights, self.cfg.reward_timeout)
+        return fn

@@ -1,0 +1,363 @@
+"""The loop: data -> prepare -> (coefficient -> backward)* -> step -> log -> checkpoint.
+
+Reads top to bottom. Everything a run depends on travels in the Trainer: settings, device,
+dtype, the sampler's generator, the output folder; nothing is global.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from gcfamily.core import engine, onednn, precision
+from gcfamily.models import lora
+from gcfamily.run import transaction as runfolder
+from gcfamily.config import Config, resolve_settings, to_dict
+from gcfamily.config.checks import validate
+from gcfamily.data.batches import split_batch, to_device
+from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
+from gcfamily.data.formats import Formatter
+from gcfamily.run.logger import RunLogger
+from gcfamily.methods import get_method
+from gcfamily.methods.base import Batch, Method, gc_stats
+from gcfamily.models import load_model
+from gcfamily.core.memory import peak_memory_mb, release_free_heap
+from gcfamily.run.services import RunServices
+from gcfamily.run.evaluation import Evaluation
+from gcfamily.run.folder import RunFolder
+from gcfamily.run.saving import Saving
+
+_HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise GcfError(f"device={name} was asked for but no CUDA GPU is available; use device=cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise GcfError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N.") from e
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on a GPU that supports it, float32 otherwise (the compute dtype)."""
+    return precision.compute_dtype(name, device)
+
+
+class Trainer(RunFolder, Evaluation, Saving):
+    """Owns the policy, its optimizer and the method; runs `max_steps` steps. Its run folder, rows and evaluations, and
+    saving are mixins of their own (gcfamily/run/folder.py, trainer_eval.py, trainer_save.py)."""
+
+    def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None, *, method: Optional[type] = None,
+                 model: Any = None, dataset: Any = None, eval_dataset: Any = None, rewards: Optional[list] = None) -> None:
+        """Objects from Python (gcfamily.api.train) ride beside cfg: a Method class, a (model, tokenizer) pair,
+        a Dataset or list of rows, reward functions; cfg then records their names."""
+        validate(cfg)
+        self.cfg = cfg
+        self.method_cls = method if method is not None else get_method(cfg.method)
+        self.dataset = dataset if dataset is not None else cfg.dataset
+        self.eval_dataset = eval_dataset if eval_dataset is not None else cfg.eval_dataset
+        self.rewards = rewards  # None: cfg.reward
+        resolve_settings(cfg, self.method_cls)  # the method's own settings, typed; an unknown key is one sentence
+        self.method_cls.apply_setting_defaults(cfg)
+        self.method_cls.validate(cfg)
+        lora.validate(cfg, self.method_cls)
+        self.dist = dist_env
+        self.is_main = dist_env is None or dist_env.rank == 0
+        self.out_dir = Path(cfg.output_dir)
+        self.device = resolve_device(cfg.device) if dist_env is None else dist_env.device
+        self.lock = runfolder.RunLock(self.out_dir)
+        resume_path = self._check_output_dir(resume)  # takes the folder's lock: released on any failure from here on
+        try:
+            self._build(resume_path, method, model)
+        except BaseException:
+            if resume is None and self.is_main and not runfolder.holds_run_output(self.out_dir):
+                (self.out_dir / "run_config.json").unlink(missing_ok=True)  # a run that never started leaves no run behind
+            self.lock.release()
+            raise
+
+    def _build(self, resume_path: Optional[Path], method: Optional[type], model: Any) -> None:
+        """Everything after the run folder is ours: models, the method's data, the optimizer, a resumed state."""
+        cfg, dist_env = self.cfg, self.dist
+        # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
+        self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
+        self.dtype = self.precision.master  # what every model of the run is loaded in
+        if dist_env is not None:
+            dist_env.set_precision(self.precision)
+        torch.manual_seed(cfg.seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
+        if model is not None:
+            from gcfamily.models import adopt_model
+
+            self.policy, self.tokenizer = adopt_model(model, self.dtype, self.device)
+        else:
+            self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
+        self.formatter = Formatter(self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+        from gcfamily.rollout import context_length
+
+        ctx = context_length(self.policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
+        if ctx is not None and cfg.max_length > ctx:
+            raise GcfError(f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}.")
+        if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
+            self.policy = lora.wrap(self.policy, cfg)
+        precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
+        self.task = self._load_task()
+        self.method: Method = self.method_cls(cfg)
+        self.services = RunServices(self)
+        self.method.setup(self.services)  # may load a reference or a critic from the untouched policy
+        self._check_evaluation()
+        self._check_room()
+        state = self._load_checkpoint(resume_path) if resume_path is not None else None  # into the plain models, before any wrapping
+        if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if dist_env is not None:
+            self.policy = dist_env.wrap(self.policy, cfg, self.method)
+        self.policy.train()
+        self.optimizer = engine.build_optimizer(self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
+        total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        self.step = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        self.elapsed_s = 0.0  # seconds spent in training steps, for max_time
+        self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
+        self.flops_seen = 0.0  # estimated: 6 P per loss token, 2 P per generated token, for max_flops
+        self.n_params = sum(p.numel() for p in self.unwrapped_policy().parameters())
+        self._stop_signal: Optional[str] = None
+        if state is not None:
+            self._restore(state)
+            if self.change is not None:
+                self._apply_changed_settings()
+        self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
+        if self.change is not None:
+            self.logger.log(self.step, {"settings_changed": 1.0})
+
+    # ------------------------------------------------------------------ what a checkpoint holds
+    def weight_keys(self) -> Optional[set[str]]:
+        """The policy weights a checkpoint holds: all (None), or with LoRA only the adapters."""
+        policy = self.unwrapped_policy()
+        return lora.adapter_keys(policy) if lora.is_peft(policy) else None
+
+    # ------------------------------------------------------------------ one optimizer step
+    def optimizer_step(self, batch: Batch) -> dict[str, float]:
+        """Micro-batched weighted backward over `batch`, then clip and step; skips non-finite steps."""
+        m, cfg = self.method, self.cfg
+        if not m.trains_policy:
+            return self.auxiliary_only_step(split_batch(batch, cfg.micro_batch_size, m.rows_per_example))
+        # CPU copies of the ids and masks, read back once a step and split with the batch: each micro-batch's packing layout
+        # and loss-token indices are worked out from them, so nothing in the loop below waits on the device
+        batch = {**batch, **{f"host_{k}": batch[k].cpu() for k in _HOST}}
+        mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
+        Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
+        scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
+        sums: dict[str, float] = {}
+        n_tok = 0
+        done = []  # per micro-batch, what its metrics need; read after every backward is queued (no host sync in between)
+        for i, mb in enumerate(mbs):
+            host = tuple(mb.pop(f"host_{k}") for k in _HOST)
+            mb = to_device(mb, self.device)
+            sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
+            with sync:
+                with self.autocast():
+                    out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(),
+                                                cfg.chunk_size, cfg.share_prefix, host)
+                    coef = m.coefficient(mb, out.logps.detach())  # [B, L]
+                    loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
+                if "force_nan_step" in mb and mb["force_nan_step"]:
+                    loss = loss * float("nan")  # test hook: a forced non-finite loss
+                (loss * scale).backward()
+            with self.autocast():
+                m_aux = m.auxiliary_step(mb)
+            done.append((mb, out.logps.detach(), out.entropy.detach(), coef.detach(), loss.detach(), m_aux))
+            if self.device.type == "cpu":  # this micro-batch's activations are freed: hand their pages back before the
+                del out, coef, loss  # next one, of another length, allocates its own (SmolLM2-135M LoRA GRPO peak RSS
+                release_free_heap()  # 2,477 -> 2,255 MB, benchmarks/results-memory-cpu.txt); only free memory goes
+        loss_total = float(torch.stack([d[4].double() for d in done]).sum()) if done else 0.0  # the step's first host sync
+        for mb, logps, entropy, coef, _, m_aux in done:
+            mask = engine.effective_mask(mb)
+            k = int(mask.sum())
+            n_tok += k
+            for stats in ({**gc_stats(coef, mask), "entropy": float((entropy * mask).sum()) / max(k, 1), **m.metrics(mb, logps, coef)}, m_aux):
+                for key, v in stats.items():
+                    sums[key] = sums.get(key, 0.0) + v * max(k, 1)
+        weight = sum(max(int(engine.effective_mask(d[0]).sum()), 1) for d in done)
+        if self.dist is not None:
+            self.dist.average_method_grads(m)  # a second model the method trains stays equal on every rank
+        metrics = {k: v / weight for k, v in sums.items()}
+        metrics.update(m.auxiliary_step_end())  # a second model (PPO's critic) steps once per optimizer step
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        finite = math.isfinite(loss_total) and engine.grads_finite(params) if self.dist is None else self.dist.all_finite(loss_total, params)
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            if self.bad_steps >= cfg.max_bad_steps:
+                raise GcfError(f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data).")
+            return {"loss": float("nan"), "skipped": 1.0, **metrics}
+        self.bad_steps = 0
+        clip = torch.nn.utils.clip_grad_norm_ if self.dist is None else self.dist.clip_grad_norm_  # FSDP2: the norm over every shard
+        gn = clip(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_total, "grad_norm": float(gn), "tokens": float(n_tok), "skipped": 0.0, **metrics}
+
+    def auxiliary_only_step(self, mbs: list[Batch]) -> dict[str, float]:
+        """One step of a method that trains only its own model (trains_policy=False): no policy pass at all."""
+        sums: dict[str, float] = {}
+        rows = 0
+        for mb in mbs:
+            n = int(mb["input_ids"].shape[0])
+            with self.autocast():
+                aux = self.method.auxiliary_step(to_device(mb, self.device))
+            for key, v in aux.items():
+                sums[key] = sums.get(key, 0.0) + v * n
+            rows += n
+        metrics = {k: v / max(rows, 1) for k, v in sums.items()}
+        metrics.update(self.method.auxiliary_step_end())
+        return {"tokens": float(sum(int(engine.effective_mask(mb).sum()) for mb in mbs)), **metrics}
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """mu passes over the prepared batch, each split into minibatches (one optimizer step each)."""
+        m = self.method
+        B = batch["input_ids"].shape[0]
+        n_mb = m.num_minibatches()
+        per = max(m.rows_per_example, math.ceil(B / n_mb / m.rows_per_example) * m.rows_per_example)
+        agg: dict[str, list[float]] = {}
+        for _ in range(m.inner_epochs()):
+            for s in range(0, B, per):
+                part = {k: (v[s : s + per] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v) for k, v in batch.items()}
+                for k, v in self.optimizer_step(part).items():
+                    agg.setdefault(k, []).append(v)
+        out = {k: (sum(v) if k == "tokens" else sum(v) / len(v)) for k, v in agg.items()}
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Path:
+        """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
+        cfg = self.cfg
+        self.started = time.perf_counter()
+        restore_handlers = self._install_signal_handlers()
+        bar = self._progress()
+        packing = onednn.packing(cfg.rollout_pack_weights)  # rollouts and evaluations of this run
+        packing.__enter__()
+        try:
+            if cfg.eval_at_ends and self.step == 0:
+                self.logger.log(0, self.evaluate())
+            while self.step < cfg.max_steps and not self.budget_spent():
+                t0 = time.perf_counter()
+                with self.autocast():  # rollouts, rewards from a model, pi_old, pi_ref and values compute like the step
+                    batch = self.method.data(self.step)
+                    t_data = time.perf_counter()
+                    batch = self.method.prepare(batch)
+                t_prep = time.perf_counter()
+                metrics = self.train_step(batch)
+                self.step += 1
+                metrics.update(self.method.after_step(self.step))
+                dt = time.perf_counter() - t0
+                metrics.update(
+                    {"time/step_s": dt, "time/data_s": t_data - t0, "time/prepare_s": t_prep - t_data, "train_tokens_per_s": metrics.get("tokens", 0.0) / max(time.perf_counter() - t_prep, 1e-9),
+                     "lr": self.scheduler.get_last_lr()[0], "peak_memory_mb": peak_memory_mb(self.device), "skipped_steps": float(self.skipped_steps)}
+                )
+                for k, v in batch.items():
+                    if k.startswith("stat/") and isinstance(v, (int, float)):
+                        metrics[k[5:]] = float(v)
+                # generated tokens: completion/length_mean (on-policy data) times the rows sampled
+                metrics["tokens/generated"] = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    metrics.update(self.evaluate())
+                # a signal arriving from here on waits for the next step: every rank must act on the same value
+                stop = self._stop_signal
+                if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
+                    metrics = self.dist.reduce_metrics(metrics)
+                    stop = self.dist.agree_stop(stop)
+                # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
+                before_s = self.elapsed_s
+                self.elapsed_s += metrics["time/step_s"]
+                self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
+                self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics["tokens/generated"])
+                metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
+                evaluated = any(k.startswith("eval/") for k in metrics)
+                if self._time_to_evaluate(before_s) and not evaluated:  # the reduced clock: every rank agrees
+                    metrics.update(self.evaluate())
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or any(k.startswith("eval/") for k in metrics):
+                    self.logger.log(self.step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save_checkpoint()
+                if stop:
+                    self.save_checkpoint()
+                    code = 128 + int(getattr(signal, stop, signal.SIGTERM))
+                    raise Interrupted(f"Stopped by {stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
+            if cfg.eval_at_ends:
+                self.logger.log(self.step, self.evaluate())
+            self.save_checkpoint()
+            try:
+                self.save_final()
+            except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
+                raise GcfError(f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
+                               f"step {self.step} is intact: free some space and run the same command with --resume to write the model.") from e
+            self.final_saved = True
+            if self.is_main:
+                self.write_card()
+        finally:
+            packing.__exit__(None, None, None)
+            restore_handlers()
+            if bar is not None:
+                bar.close()
+            self.logger.close()
+            self.lock.release()
+        return self.out_dir
+
+    def _time_to_evaluate(self, before_s: float) -> bool:
+        """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""
+        every = self.cfg.eval_every_s
+        last = self.step >= self.cfg.max_steps or self.budget_spent()
+        return bool(every) and int(self.elapsed_s // every) > int(before_s // every) and not (last and self.cfg.eval_at_ends)
+
+    def budget_spent(self) -> bool:
+        """max_time, max_tokens or max_flops (when set) is used up."""
+        cfg = self.cfg
+        return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens)
+                    or (cfg.max_flops and self.flops_seen >= cfg.max_flops))
+
+    # ------------------------------------------------------------------ compute and wrappers
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Forwards in the compute dtype over master weights (a no-op when they are the same dtype)."""
+        return self.precision.autocast()
+
+    def unwrapped_policy(self) -> torch.nn.Module:
+        """The plain causal LM under any DDP / FSDP2 / LogprobModel wrapper."""
+        m = getattr(self.policy, "module", self.policy)
+        return m.model if isinstance(m, engine.LogprobModel) else m
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Context in which unwrapped_policy() holds whole parameters (FSDP2 gathers them for generation)."""
+        return self.dist.full_parameters(self.policy) if self.dist is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ signals and progress
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """Turn SIGTERM/SIGINT into a checkpoint at the end of the step; returns what restores the old handlers."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            self._stop_signal = signal.Signals(signum).name
+
+        return install_stop_handlers(handler)
+
+    def _progress(self) -> Any:
+        if not (self.cfg.progress and self.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.method}", dynamic_ncols=True)
