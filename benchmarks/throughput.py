@@ -75,12 +75,12 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
                              temperature=1.0, max_length=1024, progress=False, output_dir=tempfile.mkdtemp(prefix=f"throughput-{name}-")))
     tr = Trainer(cfg)
     t = time.perf_counter()
-    batch = tr.method.data(0)
+    batch, _ = tr.method.data(0)
     data_s = time.perf_counter() - t
 
     def one_step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        b = tr.method.prepare(dict(batch))
+        b, _ = tr.method.prepare(dict(batch))
         t1 = time.perf_counter()
         tr.train_step(b)
         return t1 - t0, time.perf_counter() - t1
@@ -88,7 +88,7 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
     one_step()  # warm-up: allocator growth, first-call costs
     prep, train = zip(*[one_step() for _ in range(reps)])
     step_s = statistics.median(p + q for p, q in zip(prep, train))
-    prepared = tr.method.prepare(dict(batch))
+    prepared, _ = tr.method.prepare(dict(batch))
     tokens = int(batch["attention_mask"].sum())
     loss_tokens = int(effective_mask(prepared).sum())
     packed = 0  # tokens the model actually runs: packed micro-batches, a shared prompt once per group
@@ -118,7 +118,7 @@ def profile_step(tr, batch: dict, top: int = 18) -> str:  # noqa: ANN001
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("prepare"):
-            b = tr.method.prepare(dict(batch))
+            b, _ = tr.method.prepare(dict(batch))
         with record_function("train_step"):
             tr.train_step(b)
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=60)

@@ -437,7 +437,7 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
     method.ref = "reference" if method.settings.beta > 0 else None
     batch: Batch = {"input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1), "attention_mask": torch.ones(B, P + T, dtype=torch.long),
                     "loss_mask": loss_mask, "rewards": case["rewards"].clone(), "valid": torch.ones(B, dtype=torch.bool)}
-    batch = method.prepare(batch)
+    batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])
     out["advantages"] = batch["advantages"].double()
     return out

@@ -400,9 +400,9 @@ def test_validation_rows_never_train(tmp_path):
     from gcfamily.run.trainer import Trainer
 
     tr = Trainer(Config(method="sft", model="tiny", task="arithmetic", output_dir=str(tmp_path / "r"), validation_rows=10, progress=False))
-    held = {r["prompt"] for r in tr.validation_rows()}
-    assert len(held) == 10 and not held & {r["prompt"] for r in tr.training_rows()}
-    tr.lock.release()
+    held = {r["prompt"] for r in tr.evaluation.validation_rows()}
+    assert len(held) == 10 and not held & {r["prompt"] for r in tr.evaluation.training_rows()}
+    tr.folder.lock.release()
 
 
 def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):

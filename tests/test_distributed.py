@@ -109,7 +109,7 @@ def test_grpo_on_fixed_rollouts_two_processes_equal_one(two_process, tmp_path, s
     from gcfamily.run.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path, **GRPO))
-    metrics = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
+    metrics = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer))[0])
     ref = {k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()}
     _assert_same(ref, load_file(str(two_process / f"grpo-{strategy}.safetensors")))
     two = json.loads((two_process / f"grpo-{strategy}.json").read_text())  # rank 0's step metrics
@@ -124,8 +124,8 @@ def test_ppo_two_processes_equal_one_and_fsdp2_shards_the_critic(two_process, tm
     from gcfamily.run.trainer import Trainer
 
     one = Trainer(_cfg(tmp_path, **PPO))
-    first = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
-    one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer)))
+    first = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer))[0])
+    one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer))[0])
     ref = {**{k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()},
            **{f"critic.{k}": v.detach() for k, v in one.method.critic.state_dict().items()}}
     _assert_same(ref, load_file(str(two_process / f"ppo-{strategy}.safetensors")))
@@ -308,7 +308,7 @@ def _worker(out: Path) -> None:
             tr = Trainer(_cfg(out / f"grpo-{strategy}", strategy, **GRPO), dist_env=env)
             batch = fixed_grpo_batch(tr.tokenizer)
             per = len(batch["input_ids"]) // env.world_size
-            metrics = tr.train_step(tr.method.prepare(select(batch, slice(env.rank * per, (env.rank + 1) * per))))
+            metrics = tr.train_step(tr.method.prepare(select(batch, slice(env.rank * per, (env.rank + 1) * per)))[0])
             weights = env.full_state_dict(tr.unwrapped_policy())
             if env.is_main:
                 save_file(weights, str(out / f"grpo-{strategy}.safetensors"))
@@ -332,13 +332,13 @@ def _ppo_worker(out: Path, strategy: str, env) -> None:
         return {**env.full_state_dict(tr.unwrapped_policy()), **{f"critic.{k}": v for k, v in env.full_state_dict(tr.method.critic).items()}}
 
     tr = Trainer(_cfg(out / f"ppo-{strategy}", strategy, **PPO), dist_env=env)
-    first = tr.train_step(tr.method.prepare(share(tr)))
+    first = tr.train_step(tr.method.prepare(share(tr))[0])
     tr.step = 1
     tr.save_checkpoint()
-    tr.train_step(tr.method.prepare(share(tr)))
+    tr.train_step(tr.method.prepare(share(tr))[0])
     two_steps = weights(tr)
     resumed = Trainer(_cfg(out / f"ppo-{strategy}-resumed", strategy, **PPO), resume=str(out / f"ppo-{strategy}" / "checkpoints" / "step-1"), dist_env=env)
-    resumed.train_step(resumed.method.prepare(share(resumed)))
+    resumed.train_step(resumed.method.prepare(share(resumed))[0])
     again = weights(resumed)
     if env.is_main:
         save_file(two_steps, str(out / f"ppo-{strategy}.safetensors"))

@@ -195,7 +195,7 @@ def _trainer(tmp_path, **settings):
 def test_batches_keep_pairs_and_reference(tmp_path):
     """Chosen/rejected alternate, share a prompt, weigh 1/2 each, and stay together in micro-batches."""
     tr = _trainer(tmp_path, method="dpo", max_steps=2, batch_size=3, micro_batch_size=3)
-    batch = tr.method.data(1)
+    batch, _ = tr.method.data(1)
     assert batch["input_ids"].shape[0] == 6 and batch["example_weight"].tolist() == [0.5] * 6
     first = batch["loss_mask"].argmax(-1)
     assert torch.equal(first[0::2], first[1::2])  # the same prompt length in each pair
@@ -208,7 +208,7 @@ def test_batches_keep_pairs_and_reference(tmp_path):
     assert torch.allclose(lp, batch["ref_logps"], atol=1e-5)
     # SimPO holds no reference at all
     simpo = _trainer(tmp_path, method="simpo", max_steps=2, overwrite=True)
-    assert simpo.method.ref == {} and "ref_logps" not in simpo.method.data(0)
+    assert simpo.method.ref == {} and "ref_logps" not in simpo.method.data(0)[0]
 
 
 def test_an_open_budget_scores_the_pairs_as_the_steps_reach_them(tmp_path, monkeypatch):
@@ -259,7 +259,7 @@ def test_reward_accuracy_rises(tmp_path):
     def accuracy():
         hits = []
         for s in range(n_steps):
-            b = tr.method.data(s)
+            b, _ = tr.method.data(s)
             h, _ = tr.method.rewards(b, tr.services.logprobs(tr.policy, b))
             hits.append((h[0::2] > h[1::2]).float())
         return float(torch.cat(hits).mean())

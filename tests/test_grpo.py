@@ -45,7 +45,7 @@ def _two_row_batch(log_ratio: list[float], ref_log_rho: list[float]) -> dict:
 
 def test_grpo_coefficient_by_hand():
     m = make(GRPO, group_size=2, std="population", epsilon=0.2, beta=0.1)
-    b = m.add_advantages(_two_row_batch([0.0, math.log(1.5), math.log(0.5)], [0.0, math.log(2.0), -math.log(2.0)]))
+    b, _ = m.add_advantages(_two_row_batch([0.0, math.log(1.5), math.log(0.5)], [0.0, math.log(2.0), -math.log(2.0)]))
     # rewards (1, 0): mean 0.5, population std 0.5, so A = (+1, -1)
     assert b["advantages"].tolist() == [1.0, -1.0]
     coef = m.coefficient(b, b["logps"])
@@ -62,7 +62,7 @@ def test_dapo_clip_higher_by_hand():
     b = _two_row_batch([math.log(1.25), 0.0, 0.0], [0.0, 0.0, 0.0])
     for cls, want in [(GRPO, 0.0), (DAPO, 1.25)]:
         m = make(cls, group_size=2, std="population", beta=0.0)
-        coef = m.coefficient(m.add_advantages(dict(b)), b["logps"])
+        coef = m.coefficient(m.add_advantages(dict(b))[0], b["logps"])
         assert coef[0, 1].item() == pytest.approx(want)
     assert make(DAPO).norm == "token" and make(DAPO, epsilon_high=0.3).clip_range() == (0.2, 0.3)
 
@@ -93,8 +93,8 @@ def test_zero_std_groups_get_zero_advantage_and_are_counted(cls, zero_std):
     b = _two_row_batch([0.0] * 3, [0.0] * 3)
     b = {**b, **{k: torch.cat([v, v]) for k, v in b.items()}}  # two groups
     b["rewards"] = torch.tensor([1.0, 0.0, 0.3, 0.3])  # group 2 has std 0
-    b = m.add_advantages(b)
-    assert b["advantages"][2:].tolist() == [0.0, 0.0] and b["stat/grpo/zero_std_frac"] == 0.5
+    b, stats = m.add_advantages(b)
+    assert b["advantages"][2:].tolist() == [0.0, 0.0] and stats["grpo/zero_std_frac"] == 0.5
     assert b["valid"].tolist() == ([True] * 4 if zero_std == "keep" else [True, True, False, False])
     assert engine.normaliser([b], "token") == (12.0 if zero_std == "keep" else 6.0)
 
@@ -153,7 +153,7 @@ def test_engine_gradient_equals_autograd_of_objective(cls, norm, zero_std, beta)
     """mu > 1: pi_old != pi, so tokens are clipped on both sides; negative advantages; zero-std groups."""
     m = make(cls, loss_norm=norm, zero_std=zero_std, beta=beta, group_size=4, norm_constant=16.0)
     batch, logps = _random_batch()
-    batch = m.add_advantages(batch)
+    batch, _ = m.add_advantages(batch)
     ratio, adv = torch.exp(logps - batch["old_logps"]), batch["advantages"][:, None].expand_as(logps)
     mask = engine.effective_mask(batch).bool()
     assert (m.clipped(ratio, adv) & mask & (adv > 0)).any() and (m.clipped(ratio, adv) & mask & (adv < 0)).any()
@@ -168,7 +168,7 @@ def test_one_pass_uses_ratio_one(cls):
     """mu = 1: no old_logps; pi_old is the detached current policy, so r = 1 and nothing is clipped."""
     m = make(cls, beta=0.04, group_size=4)
     batch, logps = _random_batch(with_old=False)
-    batch = m.add_advantages(batch)
+    batch, _ = m.add_advantages(batch)
     want, got = _grads(m, batch, logps)
     assert torch.allclose(got, want, atol=1e-7, rtol=1e-5)
     # with rho = pi_ref/pi: GC = A + beta (rho - 1) exactly
@@ -182,7 +182,7 @@ def test_kl_clamp_is_in_objective_and_coefficient():
     batch, logps = _random_batch(with_old=False)
     batch["ref_logps"][0, 4] = logps[0, 4] + 30.0  # positions 4 and 5 are completion tokens in every row
     batch["ref_logps"][1, 5] = logps[1, 5] - 30.0
-    want, got = _grads(m, m.add_advantages(batch), logps)
+    want, got = _grads(m, m.add_advantages(batch)[0], logps)
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-7, rtol=1e-5)
 
 
@@ -196,13 +196,13 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     """The same identity on a real rollout and the model's parameters, micro-batched by 3."""
     tr = tiny_trainer
     m = tr.method
-    batch = m.prepare(m.data(0))
+    batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(1)
     batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape, generator=g) * batch["loss_mask"]
     batch["ref_logps"] = batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
     if not (batch["advantages"] != 0).any():
         batch["rewards"] = torch.arange(8.0) % 3  # the random model rarely scores: make the groups differ
-        batch = m.add_advantages(batch)
+        batch, _ = m.add_advantages(batch)
     from conftest import assert_engine_grad_matches_objective
 
     assert_engine_grad_matches_objective(tr, batch, micro=3)
@@ -213,14 +213,14 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
 
 def test_prepare_computes_only_what_is_needed(tiny_trainer, tmp_path):
     tr = tiny_trainer
-    batch = tr.method.prepare(tr.method.data(0))
+    batch, _ = tr.method.prepare(tr.method.data(0)[0])
     m = batch["loss_mask"].bool()
     # mu = 2: pi_old comes from a forward pass, which agrees with the sampler's log-probs
     assert (batch["old_logps"][m] - batch["sample_logps"][m]).abs().max() < 1e-4
     assert torch.allclose(batch["ref_logps"], batch["old_logps"], atol=1e-5)  # before any step, ref == policy
     one = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path), beta=0.0, **FAST))
     assert one.method.ref is None  # no reference model at all when beta = 0
-    b = one.method.prepare(one.method.data(0))
+    b, _ = one.method.prepare(one.method.data(0)[0])
     assert "old_logps" not in b and "ref_logps" not in b
 
 
@@ -267,10 +267,10 @@ def test_raising_reward_masks_the_sample_and_is_counted(tmp_path):
     path = tmp_path / "my_rewards.py"
     path.write_text(FLAKY)
     tr = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), reward=f"{path}:flaky", **FAST))
-    batch = tr.method.prepare(tr.method.data(0))
+    batch, stats = tr.method.collect(0)
     failed = ~batch["valid"]
     assert failed.tolist() == [i % 5 == 4 for i in range(8)]  # the 5th sample of 8
-    assert batch["stat/reward/failed"] == 1.0
+    assert stats["reward/failed"] == 1.0
     assert (batch["advantages"][failed] == 0).all()
     assert engine.effective_mask(batch)[failed].sum() == 0  # no gradient, not in Z
     assert engine.normaliser([batch], "sequence") == 7.0

@@ -57,7 +57,7 @@ def test_adapter_gradient_equals_autograd_of_the_objective(tmp_path, method, kw)
     _perturb_adapters(tr.policy)
     trainable = [n for n, p in tr.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)  # the base is frozen
-    batch = tr.method.prepare(tr.method.data(0))
+    batch, _ = tr.method.prepare(tr.method.data(0)[0])
     if "ref_logps" in batch:  # the reference (adapters off) differs from the perturbed policy: the KL term is live
         lp = tr.services.logprobs(tr.unwrapped_policy(), batch)
         assert (lp - batch["ref_logps"]).abs().max() > 1e-3
@@ -76,7 +76,7 @@ def test_reference_is_the_base_model_with_no_copy(tmp_path):
     assert isinstance(ref, AdapterOffReference)
     assert not any(isinstance(m, torch.nn.Module) and m is not tr.policy for m in tr.method.owned_models())  # nothing held besides the policy
     _perturb_adapters(tr.policy)
-    batch = tr.method.data(0)
+    batch, _ = tr.method.data(0)
     got = tr.services.logprobs(ref, batch)
     base = tiny_model(len(tr.tokenizer), seed=0)  # the oracle: the untouched base model, built afresh
     want = tr.services.logprobs(base, batch)

@@ -114,7 +114,7 @@ def test_gspo_coefficient_by_hand():
     b = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3, dtype=torch.long),
          "loss_mask": torch.tensor([[0, 1, 1]] * 4), "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
          "valid": torch.ones(4, dtype=torch.bool), "old_logps": logps - torch.cat([torch.zeros(4, 1), lr], 1)}
-    b = m.add_advantages(b)
+    b, _ = m.add_advantages(b)
     assert b["advantages"].tolist() == [1.0, -1.0, -1.0, 1.0]  # each group (1, 0): mean 1/2, population std 1/2
     # row 0, A=+1: s = exp((ln2 + 0)/2) = 1.414 > 1.2: clipped high -> 0 on both tokens
     # row 1, A=-1: s = exp(ln 0.9) = 0.9 in [0.8, 1.2] -> s A = -0.9 on both tokens
@@ -123,7 +123,7 @@ def test_gspo_coefficient_by_hand():
     want = torch.tensor([[0, 0, 0], [0, -0.9, -0.9], [0, 0, 0], [0, 1.0, 1.0]])
     assert torch.allclose(m.coefficient(b, logps), want, atol=1e-6)
     grpo = make(GRPO, group_size=2, std="population", epsilon=0.2, beta=0.0)
-    assert grpo.coefficient(grpo.add_advantages(dict(b)), logps)[3, 1] == 0  # the contrast: token 1 of row 3 clipped
+    assert grpo.coefficient(grpo.add_advantages(dict(b))[0], logps)[3, 1] == 0  # the contrast: token 1 of row 3 clipped
     assert make(GSPO).clip_range() == (3e-4, 4e-4) and make(GSPO).settings.beta == 0.0  # the paper's section 5.1
 
 
@@ -146,7 +146,7 @@ def test_gspo_engine_gradient_equals_autograd(norm):
     """At the paper's clip range: sequences clipped low, clipped high and unclipped all occur."""
     m = make(GSPO, loss_norm=norm, beta=0.04, group_size=4, mu=2)
     batch, logps = rollout_batch(old_noise=0.02)
-    batch = m.add_advantages(batch)
+    batch, _ = m.add_advantages(batch)
     s, _ = m.importance_ratio(batch, logps)
     s, A, ok = s[:, 0], batch["advantages"], batch["valid"]
     low, high = ok & (A < 0) & (s < 1 - 3e-4), ok & (A > 0) & (s > 1 + 4e-4)
@@ -187,8 +187,8 @@ def test_reinforce_advantages_by_hand():
     # scale_rewards=batch at b = 0: (1, 0, .5, .5) / sample std sqrt(0.5/3) = 0.40825
     scaled = make(ReinforceBaseline, group_size=2, scale_rewards="batch").group_advantages(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), valid)
     assert torch.allclose(scaled, torch.tensor([[1.0, 0.0], [0.5, 0.5]]) / math.sqrt(0.5 / 3))
-    b = m.add_advantages({"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)})
-    assert b["stat/reinforce/zero_std_frac"] == 0.0 and torch.allclose(b["advantages"], torch.full((4,), 0.3 - 5 / 6))
+    b, stats = m.add_advantages({"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)})
+    assert stats["reinforce/zero_std_frac"] == 0.0 and torch.allclose(b["advantages"], torch.full((4,), 0.3 - 5 / 6))
     # the step's mean is the global batch's: another process adds (sum 3, count 4), so (1 + 3) / 8 = 0.5 joins b
     m.pending, m.services = None, SimpleNamespace(all_sum=lambda t: t + torch.tensor([3.0, 4.0], dtype=t.dtype))
     m.add_advantages({"rewards": torch.full((4,), 0.25), "valid": torch.ones(4, dtype=torch.bool)})
@@ -205,7 +205,7 @@ def test_reinforce_engine_gradient_equals_autograd():
     m = make(ReinforceBaseline, group_size=4, beta=0.04, mu=2, baseline_decay=0.8)
     m.baseline_ema, m.baseline_steps = 0.16, 1  # b = 0.16 / (1 - 0.8) = 0.8
     batch, logps = rollout_batch()
-    batch = m.add_advantages(batch)
+    batch, _ = m.add_advantages(batch)
     R, ok = batch["rewards"], batch["valid"]
     assert torch.allclose(batch["advantages"], torch.where(ok, R - 0.8, 0.0))  # the oracle: R - b
     assert (batch["advantages"][4:8] == 0.5 - 0.8).all()  # the equal-reward group keeps R - b != 0
@@ -251,19 +251,19 @@ def fake_rollout(G=3):
     return {"input_ids": torch.arange(N)[:, None].expand(N, 3).clone(), "attention_mask": torch.ones(N, 3, dtype=torch.long),
             "loss_mask": torch.tensor([[0, 1, 1]] * N), "completions": [f"c{i}" for i in range(N)],
             "rewards": torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 5.0, 1.0, 0.0]), "valid": torch.tensor([True] * 6 + [False, True, True]),
-            "fake_ref": ref, "stat/reward/mean": 0.0}, logps
+            "fake_ref": ref}, logps
 
 
 def test_online_dpo_pairs_and_coefficient_by_hand():
     m = make(OnlineDPO, group_size=3, beta=0.5)
     m.services, m.ref = SimpleNamespace(logprobs=lambda model, b, T: b["fake_ref"]), None
     rollout, logps = fake_rollout()
-    pairs = m.prepare(rollout)
+    pairs, stats = m.prepare(rollout)
     # prompt 0: rewards (0.2, 0.9, 0.5): best sample 1, worst 0. Prompt 1: all 0.3, skipped.
     # prompt 2: the 5.0 failed (valid False), so best is sample 7 (1.0) and worst sample 8 (0.0)
     assert pairs["completions"] == ["c1", "c0", "c3", "c3", "c7", "c8"]
-    assert pairs["valid"].tolist() == [True, True, False, False, True, True] and pairs["stat/online_dpo/skipped_prompts"] == 1.0
-    assert pairs["stat/online_dpo/reward_gap"] == pytest.approx((0.7 + 1.0) / 2)
+    assert pairs["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    assert stats["online_dpo/reward_gap"] == pytest.approx((0.7 + 1.0) / 2)
     lp = logps[torch.tensor([1, 0, 3, 3, 7, 8])]
     # pair 0: h_w = 0.5 * 2 ln 3 = ln 3, h_l = 0: sigmoid(-ln 3) = 1/4, GC = beta / 4 = 1/8 on chosen, -1/8 on rejected
     # pair 2: h_w = h_l = 0: GC = beta * sigmoid(0) = 1/4, -1/4
@@ -279,10 +279,10 @@ def test_online_dpo_engine_gradient_through_the_tiny_model(tmp_path, reward):
     tr = Trainer(Config(method=spec(OnlineDPO), model="tiny", task="arithmetic", output_dir=str(tmp_path / "x"), reward=reward,
                         **{**FAST, "batch_size": 3, "micro_batch_size": 4}))
     m = tr.method
-    rollout = m.data(0)
+    rollout, _ = m.data(0)
     rollout["rewards"] = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 0.0, 0.0, 4.0])  # prompt 1's group is all equal
-    batch = m.prepare(rollout)
-    assert batch["valid"].tolist() == [True, True, False, False, True, True] and batch["stat/online_dpo/skipped_prompts"] == 1.0
+    batch, stats = m.prepare(rollout)
+    assert batch["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
     assert batch["rewards"].tolist() == [2.0, 0.0, 3.0, 3.0, 4.0, 0.0]
     g = torch.Generator().manual_seed(0)
     batch["ref_logps"] = batch["ref_logps"] + 0.5 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
@@ -322,11 +322,11 @@ def test_kto_coefficient_and_z0_by_hand():
         kl_batch = {"loss_mask": torch.tensor([[0, 1, 1]] * 2), "pi": torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]),
                     "ref": torch.zeros(2, 3)}
         m.services, m.ref = SimpleNamespace(logprobs=lambda model, x: x[model], policy=lambda: "pi", all_sum=lambda t: t), "ref"
-        out = m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})
-        assert out["kto_z0"] == pytest.approx(z0) and out["stat/kto/kl"] == pytest.approx(sum(kl) / 2) and "kl_batch" not in out
+        out, stats = m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})
+        assert out["kto_z0"] == pytest.approx(z0) and stats["kto/kl"] == pytest.approx(sum(kl) / 2) and "kl_batch" not in out
     # over every process: another one's two rows sum to 1.0, so z0 = (-0.6 + 0.2 + 1.0) / 4 = 0.15
     m.services.all_sum = lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype)
-    assert m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})["kto_z0"] == pytest.approx(0.15)
+    assert m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})[0]["kto_z0"] == pytest.approx(0.15)
 
 
 def kto_textbook(batch, logps, beta, lam_d, lam_u):
@@ -356,7 +356,7 @@ def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
     rows = two_steps(tmp_path / "task", KTO)
     assert [r["step"] for r in rows] == [1, 2] and all("kto/z0" in r and "kto/loss" in r for r in rows)
     tr = Trainer(Config(method=spec(KTO), model="tiny", task="arithmetic", output_dir=str(tmp_path / "t2"), **FAST))
-    b = tr.method.data(0)  # z0's rows: prompt j with the completion of j + 1 (mod the batch)
+    b, _ = tr.method.data(0)  # z0's rows: prompt j with the completion of j + 1 (mod the batch)
     ex = [tr.method.examples[i] for i in tr.method.step_indices(len(tr.method.examples), 0)]
     for j, (p, _) in enumerate(ex):
         c = ex[(j + 1) % len(ex)][1]

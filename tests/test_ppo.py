@@ -174,7 +174,7 @@ def test_prepare_at_the_start(tiny_trainer):
     """Zero value head: V = 0, so with gamma = lam = 1 every token's return is the sequence reward."""
     m = tiny_trainer.method
     assert m.ref is None  # beta = 0: no reference model at all
-    batch = m.prepare(m.data(0))
+    batch, _ = m.prepare(m.data(0)[0])
     assert "old_logps" not in batch and "ref_logps" not in batch  # one pass: ratio 1, no pi_old forward
     mask = batch["loss_mask"].bool()
     assert (batch["values"] == 0).all()
@@ -188,7 +188,7 @@ def test_prepare_at_the_start(tiny_trainer):
 
 def test_critic_step_is_one_per_optimizer_step_and_independent_of_micro_batching(tiny_trainer):
     m = tiny_trainer.method
-    batch = m.prepare(m.data(1))
+    batch, _ = m.prepare(m.data(1)[0])
     batch["returns"] = torch.rand(batch["returns"].shape, generator=torch.Generator().manual_seed(0)) * batch["loss_mask"]
     seen = []
     handle = m.critic_optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append([p.grad.clone() for p in m.critic.parameters()]))
@@ -211,7 +211,7 @@ def test_critic_step_is_one_per_optimizer_step_and_independent_of_micro_batching
 def test_value_loss_falls_on_fixed_returns(tiny_trainer):
     m = tiny_trainer.method
     state = copy.deepcopy(m.state_dict())
-    batch = m.prepare(m.data(2))
+    batch, _ = m.prepare(m.data(2)[0])
     g = torch.Generator().manual_seed(1)
     batch["returns"] = (torch.randn(batch["returns"].shape[0], 1, generator=g) * batch["loss_mask"]).float()  # fixed targets
     losses = []
@@ -228,7 +228,7 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     """The identity on a real rollout and the policy's parameters, with pi_old != pi (clipping active)."""
     tr = tiny_trainer
     m = tr.method
-    batch = m.prepare(m.data(0))
+    batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(2)
     batch["old_logps"] = tr.services.logprobs(tr.policy, batch, 1.0) + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
     batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=g) * engine.effective_mask(batch)

@@ -36,7 +36,7 @@ def _interrupt_at(trainer: Trainer, step: int) -> None:
 
     def after(s: int):
         if s == step:
-            trainer._stop_signal = "SIGTERM"
+            trainer.stop_signal = "SIGTERM"
         return orig(s)
 
     trainer.method.after_step = after
@@ -70,17 +70,16 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, extra):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
 
 
+def _poison(trainer: Trainer, at) -> None:  # noqa: ANN001
+    """The steps where at(step) holds get a NaN coefficient, hence a non-finite loss and gradient."""
+    data, coefficient = trainer.method.data, trainer.method.coefficient
+    trainer.method.data = lambda step: {**data(step), "poison": bool(at(step))}
+    trainer.method.coefficient = lambda batch, logps: coefficient(batch, logps) * (float("nan") if batch.get("poison") else 1.0)
+
+
 def test_forced_non_finite_step_is_skipped_and_counted(tmp_path):
     t = Trainer(_cfg(tmp_path, max_steps=3, max_bad_steps=3))
-    data = t.method.data
-
-    def poisoned(step: int):
-        b = data(step)
-        if step == 1:
-            b["force_nan_step"] = True
-        return b
-
-    t.method.data = poisoned
+    _poison(t, lambda step: step == 1)
     before = {}
     orig_step = t.optimizer_step
 
@@ -103,8 +102,7 @@ def test_forced_non_finite_step_is_skipped_and_counted(tmp_path):
 
 def test_consecutive_non_finite_steps_stop_with_checkpoint_intact(tmp_path):
     t = Trainer(_cfg(tmp_path, max_steps=6, max_bad_steps=2, save_every=1))
-    data = t.method.data
-    t.method.data = lambda s: {**data(s), "force_nan_step": s >= 2}
+    _poison(t, lambda step: step >= 2)
     with pytest.raises(GcfError, match="consecutive steps had a non-finite"):
         t.run()
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))

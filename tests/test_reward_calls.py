@@ -156,7 +156,7 @@ def test_trl_quickstart_reward_runs_unchanged_through_gcf_run(gcf, tmp_path):
     assert row["reward/failed"] == 0
     # the same run's step-1 completions (same seed), scored by the formula here
     tr = _trainer(tmp_path, reward=f"{path}:reward_len")
-    batch = tr.method.data(0)
+    batch, _ = tr.method.data(0)
     tr.method.reward_fn.close()
     expected = [-abs(20 - len(c)) for c in batch["completions"]]
     assert batch["rewards"].tolist() == expected and batch["valid"].all()
@@ -252,12 +252,12 @@ def test_reward_weights_length_mismatch_is_one_sentence(gcf, tmp_path):
 
 def test_sys_exit_in_a_reward_fails_its_samples(tmp_path, rewards_py):
     tr = _trainer(tmp_path, reward=f"{rewards_py}:exits_on_odd")
-    batch = tr.method.data(0)
+    batch, stats = tr.method.data(0)
     tr.method.reward_fn.close()
     odd = [len(c) % 2 == 1 for c in batch["completions"]]
     assert any(odd) and not all(odd)  # both branches: samples that exited and samples that scored
     assert (~batch["valid"]).tolist() == odd
-    assert batch["stat/reward/failed"] == sum(odd)
+    assert stats["reward/failed"] == sum(odd)
 
 
 def test_sys_exit_everywhere_stops_with_one_line_naming_the_function(gcf, tmp_path, rewards_py):

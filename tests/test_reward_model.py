@@ -100,7 +100,7 @@ def test_the_trainer_trains_only_the_reward_model_and_pairs_are_the_normaliser(t
     tr = Trainer(rm_config(tmp_path / "a", max_steps=2, lr=1e-3))
     m = tr.method
     before = copy.deepcopy(tr.policy.state_dict())
-    batch = m.data(0)
+    batch, _ = m.data(0)
     seen = []
     handle = m.optimizer.register_step_pre_hook(lambda opt, a, k: seen.append([p.grad.clone() for p in m.rm.parameters()]))
     state = copy.deepcopy(m.state_dict())

@@ -29,9 +29,9 @@ def _batch():
 
 def test_kept_set_and_coefficient_by_hand():
     m = RFT(Config(method="rft", reward_threshold=0.5))
-    b = m.prepare(_batch())
+    b, stats = m.prepare(_batch())
     # rewards (1.0, 0.4, 0.6, failed) against 0.5: kept (yes, no, yes, no); a failed reward is never kept
-    assert b["kept"].tolist() == [True, False, True, False] and b["stat/rft/kept_frac"] == 0.5
+    assert b["kept"].tolist() == [True, False, True, False] and stats["rft/kept_frac"] == 0.5
     coef = m.coefficient(b, torch.zeros(4, 4))
     assert coef.tolist() == [[0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]]  # GC = 1[kept] on completion tokens
     # token normalisation over kept samples only: Z = 3 + 3 tokens
@@ -41,7 +41,7 @@ def test_kept_set_and_coefficient_by_hand():
 def test_engine_gradient_equals_autograd_of_objective():
     for norm in (None, "sequence", "sum"):
         m = RFT(Config(method="rft", reward_threshold=0.5, loss_norm=norm))
-        b = m.prepare(_batch())
+        b, _ = m.prepare(_batch())
         logps = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) * b["loss_mask"]
         Z = engine.normaliser([b], m.norm)
         lp = logps.clone().requires_grad_(True)
@@ -63,7 +63,7 @@ def half(prompts, completions, **columns):
 def test_rollout_keeps_what_clears_the_threshold(tmp_path):
     (tmp_path / "r.py").write_text(ALWAYS)
     tr = Trainer(Config(method="rft", model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), reward=f"{tmp_path / 'r.py'}:half", **FAST))
-    b = tr.method.prepare(tr.method.data(0))
+    b, _ = tr.method.prepare(tr.method.data(0)[0])
     assert b["kept"].tolist() == [False, True] * 4 and engine.effective_mask(b)[::2].sum() == 0
     assert get_method("rft") is RFT
 

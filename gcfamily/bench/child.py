@@ -88,10 +88,10 @@ def heldout_prompts(trainer: Any, n: int) -> tuple[list[dict[str, Any]], Any]:
     if not trainer.method.trains_policy:
         return [], None
     if trainer.task is not None:
-        rows = trainer.validation_rows()[:n] if trainer.cfg.validation_rows else trainer.task.heldout_rows(n)
+        rows = trainer.evaluation.validation_rows()[:n] if trainer.cfg.validation_rows else trainer.task.heldout_rows(n)
         return rows, trainer.task.reward
     if trainer.eval_dataset is not None:
-        return trainer._eval_rows()[:n], trainer._eval_reward()
+        return trainer.evaluation.eval_rows()[:n], trainer.evaluation.eval_reward(trainer.method)
     return [], None
 
 

@@ -85,7 +85,7 @@ def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Gen
     m.prepare({**world.rows(range(N)), "rewards": warm, "valid": torch.ones(N, dtype=torch.bool), "prompt_index": torch.arange(N) // G})
     m.after_step(1)
     raw = _scored(world, REWARDS)
-    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
     return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
 
 
@@ -96,7 +96,7 @@ def build_ppo(cls: type[Method], settings: dict, world: World, gen: torch.Genera
     m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
     m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
     raw = _scored(world, REWARDS)
-    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
     return Built(m, batch, None if tb is None else (lambda lp: _ppo_textbook(lp, raw, stub, m, tb)))
 
 
@@ -146,7 +146,7 @@ def build_online_pairs(cls: type[Method], settings: dict, world: World, gen: tor
     _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
     m.setup(stub)  # type: ignore[arg-type]
     raw = _scored(world, REWARDS)
-    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
     return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)))
 
 
@@ -155,7 +155,7 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubSe
     z0 = max(0, mean of r over mismatched prompt/completion rows), held constant."""
     s, mask = m.settings, raw["loss_mask"].double()
     kl = ((stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows["loss_mask"]).sum(-1)
-    z0 = max(0.0, float(kl.mean()))
+    z0 = float(kl.mean().clamp(min=0.0))  # max(0.0, nan) would be 0.0; clamp keeps a NaN, which then fails by name
     r = ((lp_all[raw["row_id"]] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
     good = raw["desirable"]
     loss = torch.where(good, s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
@@ -175,13 +175,13 @@ def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.G
     n = N // 2
     sign = 1.0 if seed % 2 == 0 else -1.0  # the mismatched rows' mean KL: below 0 (z0 clamped) or above
     world.ref_offset[n:] = (0.2 * torch.randn(n, L, generator=gen, dtype=torch.float64) + sign * 0.5) * world.loss_mask[n:]
-    z0 = max(0.0, float(-(world.ref_offset[n:] * world.loss_mask[n:]).sum(-1).mean()))
+    z0 = float(-(world.ref_offset[n:] * world.loss_mask[n:]).sum(-1).mean().clamp(min=0.0))
     for k in range(n):  # r = z0 +- delta for both labels
         target = z0 + (1 if (k // 2) % 2 == 0 else -1) * (0.5 + 0.25 * k) / m.settings.beta
         world.ref_offset[k, world.positions(k)[0]] -= target + float((world.ref_offset[k] * world.loss_mask[k]).sum())
     raw = {**world.rows(range(n)), "desirable": torch.tensor([k % 2 == 0 for k in range(n)])}
     kl_rows = world.rows(range(n, N))
-    batch = m.prepare({**{k: v.clone() for k, v in raw.items()}, "kl_batch": dict(kl_rows)})
+    batch, _ = m.prepare({**{k: v.clone() for k, v in raw.items()}, "kl_batch": dict(kl_rows)})
     return Built(m, batch, None if tb is None else (lambda lp: _kto_textbook(lp, raw, kl_rows, stub, m)))
 
 
@@ -190,7 +190,7 @@ def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Gener
     m, stub = _onpolicy(cls, settings, world)
     m.setup(stub)  # type: ignore[arg-type]
     raw = _scored(world, REWARDS)
-    batch = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
 
     def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
         kept = raw["valid"] & (raw["rewards"] >= m.settings.reward_threshold)

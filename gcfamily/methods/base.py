@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from gcfamily.data.formats import Encoded
 
 Batch = dict[str, Any]
+"""A step's rows: per-row ([B]) and per-token ([B, L]) tensors and lists by name, plus step constants (floats)."""
+Stats = dict[str, float]
+"""A step's statistics, returned beside its batch by `data` and `prepare` and logged under their names."""
+GENERATED = "tokens/generated"
+"""The statistic in which a data source that samples reports how many tokens it generated (budgets and FLOPs count it)."""
 
 
 class Method:
@@ -92,14 +97,21 @@ class Method:
         return encode(self.data_kind, services.training_rows(), services.formatter, cfg.max_length, cfg.long_prompts, self.name or cfg.method)
 
     # -- the three parts of a method -------------------------------------------------
-    def data(self, step: int) -> Batch:
-        """The batch of `step`; deterministic in (seed, step) so a resumed run sees the same data."""
+    def data(self, step: int) -> tuple[Batch, Stats]:
+        """The batch of `step` and its statistics; deterministic in (seed, step) so a resumed run sees the same data."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
-        """Add what is fixed for the step, without grad: rewards, advantages, old/ref log-probs."""
-        return batch
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
+        """Add what is fixed for the step, without grad (rewards, advantages, old/ref log-probs); returns the batch and
+        the statistics of what it computed."""
+        return batch, {}
+
+    def collect(self, step: int) -> tuple[Batch, Stats]:
+        """data then prepare: the step's prepared batch and every statistic of the two."""
+        batch, stats = self.data(step)
+        batch, more = self.prepare(batch)
+        return batch, {**stats, **more}
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         """GC[B, L] = dJ/dlogp_t at the current (detached) log-probs."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch, Method, iter_chunks
+from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
 from gcfamily.methods.services import Services
 from gcfamily.data.preferences import preference_rows
 
@@ -100,7 +100,7 @@ class DPO(Method):
         model.train(was_training)
         return ref
 
-    def data(self, step: int) -> Batch:
+    def data(self, step: int) -> tuple[Batch, Stats]:
         idx = self.step_indices(len(self.pairs), step)
         rows = [(i, s) for i in idx for s in (1, 2)]  # chosen at 2k, rejected at 2k+1
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
@@ -116,8 +116,7 @@ class DPO(Method):
                 start = len(self.pairs[i][0])
                 ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
             batch["ref_logps"] = ref
-        batch["stat/skipped_long_prompts"] = float(self.skipped)
-        return batch
+        return batch, {"skipped_long_prompts": float(self.skipped)}
 
     # -- the rule --------------------------------------------------------------------
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

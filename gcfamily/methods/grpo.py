@@ -29,7 +29,7 @@ from einops import rearrange, repeat
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch
+from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.clipped import ClippedOnPolicy
 from gcfamily.methods.onpolicy import all_equal_groups, masked_group_stats
 from gcfamily.methods.services import Services
@@ -111,7 +111,7 @@ class GRPO(ClippedOnPolicy):
         return batch["advantages"][:, None].float()  # [B, 1]
 
     # -- prepare ---------------------------------------------------------------------
-    def add_advantages(self, batch: Batch) -> Batch:
+    def add_advantages(self, batch: Batch) -> tuple[Batch, Stats]:
         """advantages [N], equal-reward groups handled per zero_std, and their fraction logged."""
         G = self.cfg.group_size
         rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
@@ -123,17 +123,18 @@ class GRPO(ClippedOnPolicy):
         batch["advantages"] = rearrange(adv, "n g -> (n g)")  # [N]
         if self.settings.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
             batch["valid"] = batch["valid"].bool() & ~repeat(equal, "n -> (n g)", g=G)
-        batch[f"stat/{self.metric_prefix}/zero_std_frac"] = float(equal.float().mean())
-        return batch
+        return batch, {f"{self.metric_prefix}/zero_std_frac": float(equal.float().mean())}
 
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         old = self.old_and_ref_logps(batch)  # [N, L] or None
+        stats: Stats = {}
         if self.settings.kl_placement == "reward" and self.ref is not None:
             kl = self.kl_reward(batch["ref_logps"], old) * batch["loss_mask"]  # [N, L]
             batch["kl_rewards"] = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
-            batch[f"stat/{self.metric_prefix}/kl_reward_mean"] = float(batch["kl_rewards"].mean())
-        return self.add_advantages(batch)
+            stats = {f"{self.metric_prefix}/kl_reward_mean": float(batch["kl_rewards"].mean())}
+        batch, more = self.add_advantages(batch)
+        return batch, {**stats, **more}
 
     # -- reference refresh, state ----------------------------------------------------
     def after_step(self, step: int) -> dict[str, float]:

@@ -34,7 +34,7 @@ from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id
 from gcfamily.core.engine import example_weights
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
 from gcfamily.data.preferences import preference_rows
 
@@ -95,18 +95,17 @@ class KTO(Method):
         self.pad_id = default_pad_id(services.tokenizer)
         self.ref = services.reference()
 
-    def data(self, step: int) -> Batch:
+    def data(self, step: int) -> tuple[Batch, Stats]:
         idx = self.step_indices(len(self.examples), step)
         ex = [self.examples[i] for i in idx]
         batch: Batch = collate(ex, self.pad_id)
         batch["desirable"] = torch.tensor([self.labels[i] for i in idx])  # [B]
         room = self.cfg.max_length
         batch["kl_batch"] = collate([(p, ex[(j + 1) % len(ex)][1][: room - len(p)]) for j, (p, _) in enumerate(ex)], self.pad_id)
-        batch["stat/skipped_long_prompts"] = float(self.skipped)
-        return batch
+        return batch, {"skipped_long_prompts": float(self.skipped)}
 
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         services = self.services
         kl = batch.pop("kl_batch")
         batch["ref_logps"] = services.logprobs(self.ref, batch)  # [B, L]
@@ -114,8 +113,7 @@ class KTO(Method):
         total = services.all_sum(torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)]))
         kl_mean = float(total[0] / total[1])
         batch["kto_z0"] = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
-        batch["stat/kto/kl"], batch["stat/kto/z0"] = kl_mean, batch["kto_z0"]
-        return batch
+        return batch, {"kto/kl": kl_mean, "kto/z0": batch["kto_z0"]}
 
     # -- the rule --------------------------------------------------------------------
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:

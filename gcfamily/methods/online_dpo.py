@@ -25,7 +25,7 @@ from einops import rearrange, repeat
 from gcfamily.config import Config
 from gcfamily.data.batches import select
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch
+from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.services import Services
 from gcfamily.methods.dpo import DPO
 from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
@@ -53,7 +53,7 @@ class OnlineDPO(DPO, OnPolicy):
     task_rows = OnPolicy.task_rows
 
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         G = self.cfg.group_size
         rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
         valid = rearrange(batch["valid"].bool(), "(n g) -> n g", g=G)  # [n, G]
@@ -67,9 +67,7 @@ class OnlineDPO(DPO, OnPolicy):
         pairs["ref_logps"] = self.services.logprobs(self.ref, pairs, self.logprob_temperature())
         kept = ~skip
         gap = rewards.gather(1, best[:, None]) - rewards.gather(1, worst[:, None])  # [n, 1]
-        pairs["stat/online_dpo/skipped_prompts"] = float(skip.sum())
-        pairs["stat/online_dpo/reward_gap"] = float(gap[kept].mean()) if kept.any() else 0.0
-        return pairs
+        return pairs, {"online_dpo/skipped_prompts": float(skip.sum()), "online_dpo/reward_gap": float(gap[kept].mean()) if kept.any() else 0.0}
 
     @staticmethod
     def formed(batch: Batch) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import GENERATED, Batch, Method, Stats
 from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
 from gcfamily.methods.services import Services
 from gcfamily.rollout import SamplingSettings, context_length
@@ -92,7 +92,7 @@ class OnPolicy(Method):
         raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset.")
 
     # -- the data source -------------------------------------------------------------
-    def data(self, step: int) -> Batch:
+    def data(self, step: int) -> tuple[Batch, Stats]:
         """batch_size prompts (deterministic in seed and step), G samples each, scored."""
         cfg, services = self.cfg, self.services
         G = cfg.group_size
@@ -126,14 +126,17 @@ class OnPolicy(Method):
             "valid": valid,  # [N]
             "prompt_index": ro.prompt_index.cpu(),  # [N]
             "completions": ro.completions,
-            "stat/reward/mean": mean,
-            "stat/reward/std": math.sqrt(float((((rewards - mean) * ok) ** 2).sum()) / n_ok),
-            "stat/reward/failed": float(len(errors)),
-            **{f"stat/{k}": v for k, v in (scored.stats() if len(scored.per_reward) > 1 else {}).items()},  # reward/<name>/mean, /std
-            "stat/time/reward_s": reward_s,
-            "stat/skipped_long_prompts": float(self.skipped),
-            "stat/completion/length_mean": float(lengths.mean()),
-            "stat/completion/truncated_frac": float(ro.truncated.float().mean()),
+        }
+        stats: Stats = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(float((((rewards - mean) * ok) ** 2).sum()) / n_ok),
+            "reward/failed": float(len(errors)),
+            **(scored.stats() if len(scored.per_reward) > 1 else {}),  # reward/<name>/mean, /std
+            "time/reward_s": reward_s,
+            "skipped_long_prompts": float(self.skipped),
+            "completion/length_mean": float(lengths.mean()),
+            "completion/truncated_frac": float(ro.truncated.float().mean()),
+            GENERATED: float(lengths.mean()) * len(lengths),  # as the trainer counted it: mean length times rows sampled
         }
         # the first completion of each of the first 8 prompts, at the metrics' step number
         services.log_samples(step + 1, [{"prompt": prompts[i], "completion": ro.completions[i], "reward": float(rewards[i]) if valid[i] else None}
@@ -142,7 +145,7 @@ class OnPolicy(Method):
             self.warned_reward = True
             print(f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "
                   "failed samples get no gradient and are counted in reward/failed.", file=sys.stderr)
-        return batch
+        return batch, stats
 
     def logprob_temperature(self) -> float:
         """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""

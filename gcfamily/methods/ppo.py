@@ -44,7 +44,7 @@ from gcfamily.core.engine import build_optimizer, effective_mask, second_model_s
 from gcfamily.core.memory import module_mb
 from gcfamily.core.packing import backbone_hidden
 from gcfamily.errors import GcfError
-from gcfamily.methods.base import Batch
+from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.clipped import ClippedOnPolicy
 from gcfamily.methods.services import Services
 from gcfamily.models import load_model
@@ -204,7 +204,7 @@ class PPO(ClippedOnPolicy):
 
     # -- prepare: values, per-token rewards, GAE -------------------------------------
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         cfg = self.cfg
         kl_reward = self.settings.kl_placement == "reward" and self.ref is not None
         old = self.old_and_ref_logps(batch)  # [N, L] or None
@@ -215,13 +215,15 @@ class PPO(ClippedOnPolicy):
         adv, batch["returns"] = gae(batch["token_rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
         batch["advantages"] = whiten(adv, valid, self.services.all_sum) if self.whiten_advantages else adv * valid  # [N, L]
         n = max(float(valid.sum()), 1.0)
-        batch["stat/ppo/explained_variance"] = explained_variance(batch["values"], batch["returns"], valid)
-        batch["stat/ppo/value_mean"] = float((batch["values"] * valid).sum()) / n
-        batch["stat/ppo/return_mean"] = float((batch["returns"] * valid).sum()) / n
-        batch["stat/ppo/adv_raw_std"] = float(adv[valid.bool()].std()) if n > 1 else 0.0
+        stats = {
+            "ppo/explained_variance": explained_variance(batch["values"], batch["returns"], valid),
+            "ppo/value_mean": float((batch["values"] * valid).sum()) / n,
+            "ppo/return_mean": float((batch["returns"] * valid).sum()) / n,
+            "ppo/adv_raw_std": float(adv[valid.bool()].std()) if n > 1 else 0.0,
+        }
         if kl_reward:
-            batch["stat/ppo/kl_penalty_mean"] = float((cfg.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
-        return batch
+            stats["ppo/kl_penalty_mean"] = float((cfg.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
+        return batch, stats
 
     @torch.no_grad()
     def critic_values(self, batch: Batch) -> torch.Tensor:

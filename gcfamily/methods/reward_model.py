@@ -29,7 +29,7 @@ from gcfamily.core.engine import build_optimizer, lr_lambda, second_model_step
 from gcfamily.core.memory import module_mb
 from gcfamily.errors import GcfError
 from gcfamily.data.formats import encode
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
 from gcfamily.data.preferences import preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss
@@ -83,11 +83,10 @@ class RewardModelTraining(Method):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
         self.pairs_in_step = 0
 
-    def data(self, step: int) -> Batch:
+    def data(self, step: int) -> tuple[Batch, Stats]:
         idx = epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i in idx for s in (1, 2)], self.pad_id)  # chosen 2k, rejected 2k+1
-        batch["stat/skipped_long_prompts"] = float(self.skipped)
-        return batch
+        return batch, {"skipped_long_prompts": float(self.skipped)}
 
     # -- the policy's coefficient: none ----------------------------------------------
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:

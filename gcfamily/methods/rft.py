@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gcfamily.config import MethodSettings
-from gcfamily.methods.base import Batch
+from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.onpolicy import OnPolicy
 
 
@@ -35,12 +35,11 @@ class RFT(OnPolicy):
         """A sample is kept (GC = 1) when its reward is at least this."""
 
     @torch.no_grad()
-    def prepare(self, batch: Batch) -> Batch:
+    def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         kept = batch["valid"].bool() & (batch["rewards"] >= self.settings.reward_threshold)  # [N]
         batch["kept"] = kept
         batch["valid"] = kept
-        batch["stat/rft/kept_frac"] = float(kept.float().mean())
-        return batch
+        return batch, {"rft/kept_frac": float(kept.float().mean())}
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         return batch["kept"].float()[:, None] * batch["loss_mask"].float()  # [B, L]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gcfamily.data.batches import collate_masked, default_pad_id
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import Batch, Stats, Method
 from gcfamily.methods.services import Services
 
 
@@ -26,11 +26,10 @@ class SFT(Method):
         self.examples, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(services.tokenizer)
 
-    def data(self, step: int) -> Batch:
+    def data(self, step: int) -> tuple[Batch, Stats]:
         idx = self.step_indices(len(self.examples), step)
         batch: Batch = collate_masked([self.examples[i] for i in idx], self.pad_id)
-        batch["stat/skipped_long_prompts"] = float(self.skipped)
-        return batch
+        return batch, {"skipped_long_prompts": float(self.skipped)}
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(logps)  # [B, L]

@@ -1,11 +1,14 @@
-"""The Trainer's rows and evaluations: what a method trains on, the validation rows kept out of it, and the greedy
-held-out figures (eval_at_ends, eval_every, eval_every_s). A mixin of gcfamily.run.trainer.Trainer.
+"""The run's rows and evaluations: what a method trains on, the validation rows kept out of it, and the greedy
+held-out figures (eval_at_ends, eval_every, eval_every_s). An object the Trainer holds, given the settings, the data and the
+formatter; the policy and the method come with each call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
@@ -13,6 +16,15 @@ from gcfamily.errors import GcfError
 
 class Evaluation:
     """Training rows, validation rows and held-out evaluation."""
+
+    def __init__(self, cfg: Any, method_cls: type, formatter: Any, dataset: Any, eval_dataset: Any, rewards: Optional[list],
+                 out_dir: Path, is_main: bool) -> None:
+        self.cfg, self.method_cls, self.formatter = cfg, method_cls, formatter
+        self.dataset, self.eval_dataset, self.rewards = dataset, eval_dataset, rewards
+        self.out_dir, self.is_main = out_dir, is_main
+        self.task = self._load_task()
+        self._eval_cache: Optional[list[dict[str, Any]]] = None
+        self._eval_reward_fn: Any = None
 
     def training_rows(self) -> list[dict[str, Any]]:
         """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
@@ -44,36 +56,37 @@ class Evaluation:
         seed = self.cfg.seed if self.cfg.task_seed is None else self.cfg.task_seed
         return get_task(self.cfg.task, seed=seed, **self.cfg.task_options)
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy held-out figures: on eval_dataset, its mean reward (and accuracy where rows carry an answer);
-        else on the task, its accuracy. Nothing when neither exists or no policy is trained."""
-        if not self.method.trains_policy or (self.task is None and self.eval_dataset is None):
+    def evaluate(self, policy: Any, method: Any, step: int, gathered: contextlib.AbstractContextManager,
+                 autocast: contextlib.AbstractContextManager) -> dict[str, float]:
+        """Greedy held-out figures of `policy` (the plain model; `gathered` holds its whole parameters under FSDP2):
+        on eval_dataset, its mean reward (and accuracy where rows carry an answer); else on the task, its accuracy.
+        Nothing when neither exists or the method trains no policy."""
+        if not method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
         from gcfamily.run.evaluate import evaluate_rows
 
         cfg = self.cfg
-        unwrapped = self.unwrapped_policy()
-        was_training = unwrapped.training
+        was_training = policy.training
         details: list[dict[str, Any]] = []
-        with self.full_parameters(), self.autocast():
+        with gathered, autocast:
             if self.eval_dataset is not None:
-                out = evaluate_rows(unwrapped, self.formatter, self._eval_rows(), self._eval_reward(), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
+                out = evaluate_rows(policy, self.formatter, self.eval_rows(), self.eval_reward(method), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
             else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
                 validation = bool(cfg.validation_rows)  # then the test split is never read
                 rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.heldout_rows(cfg.eval_samples)
-                out = evaluate_rows(unwrapped, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
+                out = evaluate_rows(policy, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
                 out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
-        unwrapped.train(was_training)
+        policy.train(was_training)
         if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
             with (self.out_dir / "eval_details.jsonl").open("a") as f:
-                f.write(json.dumps({"step": self.step, "rows": details}) + "\n")
+                f.write(json.dumps({"step": step, "rows": details}) + "\n")
         return out
 
-    def _check_evaluation(self) -> None:
+    def check(self, method: Any) -> None:
         """Refuse, before training, an evaluation that could not run or would report the wrong thing."""
         cfg = self.cfg
         wanted = cfg.eval_at_ends or cfg.eval_every or cfg.eval_every_s
-        if not wanted or not self.method.trains_policy:
+        if not wanted or not method.trains_policy:
             return
         if self.eval_dataset is None and self.dataset is not None:
             raise GcfError("Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
@@ -81,18 +94,19 @@ class Evaluation:
         if self.eval_dataset is not None:
             from gcfamily.data.formats import encode
 
-            encode("prompts", self._eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
-            self._eval_reward()
+            encode("prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
+            self.eval_reward(method)
 
-    def _eval_rows(self) -> list[dict[str, Any]]:
-        if not hasattr(self, "_eval_cache"):
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """eval_dataset's rows (columns renamed), read once."""
+        if self._eval_cache is None:
             cfg = self.cfg
             self._eval_cache = load_rows(self.eval_dataset, cfg.eval_split, cfg.dataset_config, cfg.columns)
         return self._eval_cache
 
-    def _eval_reward(self) -> Any:
+    def eval_reward(self, method: Any) -> Any:
         """The run's reward: the on-policy method's own, else the rewards given (--reward, or functions from Python)."""
-        fn = getattr(self.method, "reward_fn", None) or getattr(self, "_eval_reward_fn", None)
+        fn = getattr(method, "reward_fn", None) or self._eval_reward_fn
         if fn is None:
             from gcfamily.rewards import Rewards, reward_specs
 

@@ -70,7 +70,7 @@ class RunServices(LocalServices):
         return load_reference(policy)
 
     def training_rows(self) -> list[dict[str, Any]]:
-        return self._trainer.training_rows()
+        return self._trainer.evaluation.training_rows()
 
     def logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
         t, cfg = self._trainer, self._trainer.cfg
@@ -101,10 +101,10 @@ class RunServices(LocalServices):
         return dist.clip_grad_norm_(params, max_norm) if dist is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def stop_requested(self) -> bool:
-        return self._trainer._stop_signal is not None
+        return self._trainer.stop_signal is not None
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        self._trainer.log_samples(step, rows)
+        self._trainer.saving.log_samples(step, rows)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self._trainer.autocast()

@@ -11,13 +11,12 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from gcfamily.core import engine, onednn, precision
 from gcfamily.models import lora
-from gcfamily.run import transaction as runfolder
 from gcfamily.config import Config, resolve_settings, to_dict
 from gcfamily.config.checks import validate
 from gcfamily.data.batches import split_batch, to_device
@@ -25,12 +24,14 @@ from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.data.formats import Formatter
 from gcfamily.run.logger import RunLogger
 from gcfamily.methods import get_method
-from gcfamily.methods.base import Batch, Method, gc_stats
+from gcfamily.methods.base import GENERATED, Batch, Method, gc_stats
 from gcfamily.models import load_model
 from gcfamily.core.memory import peak_memory_mb, release_free_heap
 from gcfamily.run.services import RunServices
+from gcfamily.rollout import context_length
+from gcfamily.run import checkpoint
 from gcfamily.run.evaluation import Evaluation
-from gcfamily.run.folder import RunFolder
+from gcfamily.run.folder import RunFolder, apply_changed_settings
 from gcfamily.run.saving import Saving
 
 _HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
@@ -53,9 +54,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return precision.compute_dtype(name, device)
 
 
-class Trainer(RunFolder, Evaluation, Saving):
-    """Owns the policy, its optimizer and the method; runs `max_steps` steps. Its run folder, rows and evaluations, and
-    saving are mixins of their own (gcfamily/run/folder.py, trainer_eval.py, trainer_save.py)."""
+class Trainer:
+    """Owns the policy, its optimizer and the method; runs `max_steps` steps. It holds its run folder, its rows and
+    evaluations, and its saving as objects (gcfamily/run/folder.py, evaluation.py, saving.py), and gives the method its
+    Services (gcfamily/run/services.py)."""
 
     def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None, *, method: Optional[type] = None,
                  model: Any = None, dataset: Any = None, eval_dataset: Any = None, rewards: Optional[list] = None) -> None:
@@ -73,19 +75,20 @@ class Trainer(RunFolder, Evaluation, Saving):
         lora.validate(cfg, self.method_cls)
         self.dist = dist_env
         self.is_main = dist_env is None or dist_env.rank == 0
-        self.out_dir = Path(cfg.output_dir)
         self.device = resolve_device(cfg.device) if dist_env is None else dist_env.device
-        self.lock = runfolder.RunLock(self.out_dir)
-        resume_path = self._check_output_dir(resume)  # takes the folder's lock: released on any failure from here on
+        self.folder = RunFolder(cfg, dist_env)
+        self.out_dir = self.folder.out_dir
+        self.saving = Saving(cfg, self.out_dir, dist_env)
+        self.stop_signal: Optional[str] = None
+        """SIGTERM or SIGINT once one arrived: the run checkpoints at the end of the step and stops."""
+        resume_path = self.folder.open(resume)  # takes the folder's lock: released on any failure from here on
         try:
-            self._build(resume_path, method, model)
+            self._build(resume_path, model)
         except BaseException:
-            if resume is None and self.is_main and not runfolder.holds_run_output(self.out_dir):
-                (self.out_dir / "run_config.json").unlink(missing_ok=True)  # a run that never started leaves no run behind
-            self.lock.release()
+            self.folder.abandon(resumed=resume is not None)
             raise
 
-    def _build(self, resume_path: Optional[Path], method: Optional[type], model: Any) -> None:
+    def _build(self, resume_path: Optional[Path], model: Any) -> None:
         """Everything after the run folder is ours: models, the method's data, the optimizer, a resumed state."""
         cfg, dist_env = self.cfg, self.dist
         # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
@@ -102,21 +105,20 @@ class Trainer(RunFolder, Evaluation, Saving):
         else:
             self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
         self.formatter = Formatter(self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
-        from gcfamily.rollout import context_length
-
         ctx = context_length(self.policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
         if ctx is not None and cfg.max_length > ctx:
             raise GcfError(f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}.")
         if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
             self.policy = lora.wrap(self.policy, cfg)
         precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
-        self.task = self._load_task()
+        self.evaluation = Evaluation(cfg, self.method_cls, self.formatter, self.dataset, self.eval_dataset, self.rewards, self.out_dir, self.is_main)
+        self.task = self.evaluation.task
         self.method: Method = self.method_cls(cfg)
         self.services = RunServices(self)
         self.method.setup(self.services)  # may load a reference or a critic from the untouched policy
-        self._check_evaluation()
-        self._check_room()
-        state = self._load_checkpoint(resume_path) if resume_path is not None else None  # into the plain models, before any wrapping
+        self.evaluation.check(self.method)
+        self.folder.check_room(self.policy)
+        state = self.saving.load_checkpoint(resume_path, self.unwrapped_policy(), self.weight_keys(), self.method) if resume_path is not None else None
         if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if dist_env is not None:
@@ -132,14 +134,52 @@ class Trainer(RunFolder, Evaluation, Saving):
         self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
         self.flops_seen = 0.0  # estimated: 6 P per loss token, 2 P per generated token, for max_flops
         self.n_params = sum(p.numel() for p in self.unwrapped_policy().parameters())
-        self._stop_signal: Optional[str] = None
         if state is not None:
             self._restore(state)
-            if self.change is not None:
-                self._apply_changed_settings()
+            if self.folder.change is not None:
+                apply_changed_settings(cfg, self.optimizer, self.scheduler, total)
         self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
-        if self.change is not None:
+        self.saving.logger = self.logger
+        if self.folder.change is not None:
             self.logger.log(self.step, {"settings_changed": 1.0})
+
+    # ------------------------------------------------------------------ the state a checkpoint holds
+    def training_state(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs."""
+        return {
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
+            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Optimizer, schedule, RNG and counters, once the optimizer exists."""
+        if self.dist is not None:
+            self.dist.load_optimizer(self.policy, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"], self.generator)
+        self.step = int(state["step"])
+        self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
+        self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
+        self.flops_seen = float(state.get("flops_seen", 0.0))
+
+    def checkpoint_extras(self) -> Any:
+        """config.json and the tokenizer for a full-weight checkpoint (Saving.checkpoint_extras); None for LoRA."""
+        return Saving.checkpoint_extras(self.unwrapped_policy(), self.tokenizer, self.weight_keys())
+
+    def save_checkpoint(self) -> Optional[Path]:
+        """A resumable checkpoint of this run (rank 0 writes)."""
+        return self.saving.save_checkpoint(self)
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out figures of the policy now (Evaluation.evaluate)."""
+        return self.evaluation.evaluate(self.unwrapped_policy(), self.method, self.step, self.full_parameters(), self.autocast())
+
+    def summary(self) -> str:
+        """The console's closing lines (Saving.summary)."""
+        return self.saving.summary(self.step, time.perf_counter() - getattr(self, "started", time.perf_counter()))
 
     # ------------------------------------------------------------------ what a checkpoint holds
     def weight_keys(self) -> Optional[set[str]]:
@@ -172,8 +212,6 @@ class Trainer(RunFolder, Evaluation, Saving):
                                                 cfg.chunk_size, cfg.share_prefix, host)
                     coef = m.coefficient(mb, out.logps.detach())  # [B, L]
                     loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
-                if "force_nan_step" in mb and mb["force_nan_step"]:
-                    loss = loss * float("nan")  # test hook: a forced non-finite loss
                 (loss * scale).backward()
             with self.autocast():
                 m_aux = m.auxiliary_step(mb)
@@ -243,82 +281,91 @@ class Trainer(RunFolder, Evaluation, Saving):
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Path:
-        """Train to max_steps (or until a signal), checkpointing and logging; returns the run folder."""
+        """Train to max_steps (or until a budget or a signal), evaluating, logging and checkpointing; returns the run folder."""
         cfg = self.cfg
         self.started = time.perf_counter()
-        restore_handlers = self._install_signal_handlers()
-        bar = self._progress()
-        packing = onednn.packing(cfg.rollout_pack_weights)  # rollouts and evaluations of this run
-        packing.__enter__()
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.folder.lock.release)
+            stack.callback(self.logger.close)
+            stack.callback(install_stop_handlers(self._on_signal))
+            bar = stack.enter_context(self._progress())
+            stack.enter_context(onednn.packing(cfg.rollout_pack_weights))  # rollouts and evaluations of this run
             if cfg.eval_at_ends and self.step == 0:
                 self.logger.log(0, self.evaluate())
             while self.step < cfg.max_steps and not self.budget_spent():
                 t0 = time.perf_counter()
-                with self.autocast():  # rollouts, rewards from a model, pi_old, pi_ref and values compute like the step
-                    batch = self.method.data(self.step)
-                    t_data = time.perf_counter()
-                    batch = self.method.prepare(batch)
-                t_prep = time.perf_counter()
+                batch, stats = self.collect()
                 metrics = self.train_step(batch)
                 self.step += 1
                 metrics.update(self.method.after_step(self.step))
-                dt = time.perf_counter() - t0
-                metrics.update(
-                    {"time/step_s": dt, "time/data_s": t_data - t0, "time/prepare_s": t_prep - t_data, "train_tokens_per_s": metrics.get("tokens", 0.0) / max(time.perf_counter() - t_prep, 1e-9),
-                     "lr": self.scheduler.get_last_lr()[0], "peak_memory_mb": peak_memory_mb(self.device), "skipped_steps": float(self.skipped_steps)}
-                )
-                for k, v in batch.items():
-                    if k.startswith("stat/") and isinstance(v, (int, float)):
-                        metrics[k[5:]] = float(v)
-                # generated tokens: completion/length_mean (on-policy data) times the rows sampled
-                metrics["tokens/generated"] = metrics.get("completion/length_mean", 0.0) * len(batch["input_ids"])
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    metrics.update(self.evaluate())
-                # a signal arriving from here on waits for the next step: every rank must act on the same value
-                stop = self._stop_signal
-                if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
-                    metrics = self.dist.reduce_metrics(metrics)
-                    stop = self.dist.agree_stop(stop)
-                # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
-                before_s = self.elapsed_s
-                self.elapsed_s += metrics["time/step_s"]
-                self.tokens_seen += metrics["tokens/generated"] + metrics.get("tokens", 0.0)
-                self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics["tokens/generated"])
-                metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
-                evaluated = any(k.startswith("eval/") for k in metrics)
-                if self._time_to_evaluate(before_s) and not evaluated:  # the reduced clock: every rank agrees
-                    metrics.update(self.evaluate())
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or any(k.startswith("eval/") for k in metrics):
-                    self.logger.log(self.step, metrics)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
-                    self.save_checkpoint()
-                if stop:
-                    self.save_checkpoint()
-                    code = 128 + int(getattr(signal, stop, signal.SIGTERM))
-                    raise Interrupted(f"Stopped by {stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
+                metrics = self.account(metrics, stats, t0)
+                self.cadence(metrics, bar)
             if cfg.eval_at_ends:
                 self.logger.log(self.step, self.evaluate())
-            self.save_checkpoint()
-            try:
-                self.save_final()
-            except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
-                raise GcfError(f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
-                               f"step {self.step} is intact: free some space and run the same command with --resume to write the model.") from e
-            self.final_saved = True
-            if self.is_main:
-                self.write_card()
-        finally:
-            packing.__exit__(None, None, None)
-            restore_handlers()
-            if bar is not None:
-                bar.close()
-            self.logger.close()
-            self.lock.release()
+            self.finish()
         return self.out_dir
+
+    def collect(self) -> tuple[Batch, dict[str, float]]:
+        """This step's batch from the method's data source, prepared (rewards, advantages, pi_old/pi_ref), with the
+        statistics the method returned and the two phases' times."""
+        t0 = time.perf_counter()
+        with self.autocast():  # rollouts, rewards from a model, pi_old, pi_ref and values compute like the step
+            batch, stats = self.method.data(self.step)
+            t1 = time.perf_counter()
+            batch, more = self.method.prepare(batch)
+        return batch, {**stats, **more, "time/data_s": t1 - t0, "time/prepare_s": time.perf_counter() - t1}
+
+    def account(self, metrics: dict[str, float], stats: dict[str, float], t0: float) -> dict[str, float]:
+        """The step's row of metrics (one for the whole group of processes), and the budget it used."""
+        dt = time.perf_counter() - t0
+        train_s = dt - stats["time/data_s"] - stats["time/prepare_s"]
+        metrics.update({"time/step_s": dt, "train_tokens_per_s": metrics.get("tokens", 0.0) / max(train_s, 1e-9),
+                        "lr": self.scheduler.get_last_lr()[0], "peak_memory_mb": peak_memory_mb(self.device), "skipped_steps": float(self.skipped_steps)})
+        metrics.update({k: float(v) for k, v in stats.items()})
+        metrics.setdefault(GENERATED, 0.0)  # a data source that samples reports its count (methods/base.py)
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+            metrics.update(self.evaluate())
+        # a signal arriving from here on waits for the next step: every rank must act on the same value
+        self._stop = self.stop_signal
+        if self.dist is not None:  # one row for the whole group; a signal on any rank stops all at this step
+            metrics = self.dist.reduce_metrics(metrics)
+            self._stop = self.dist.agree_stop(self._stop)
+        # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
+        before_s = self.elapsed_s
+        self.elapsed_s += metrics["time/step_s"]
+        self.tokens_seen += metrics[GENERATED] + metrics.get("tokens", 0.0)
+        self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics[GENERATED])
+        metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
+        if self._time_to_evaluate(before_s) and not any(k.startswith("eval/") for k in metrics):  # the reduced clock: every rank agrees
+            metrics.update(self.evaluate())
+        return metrics
+
+    def cadence(self, metrics: dict[str, float], bar: Any) -> None:
+        """What happens after a step: its metrics row, the progress bar, a periodic checkpoint, a requested stop."""
+        cfg = self.cfg
+        if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or any(k.startswith("eval/") for k in metrics):
+            self.logger.log(self.step, metrics)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
+        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+            self.save_checkpoint()
+        if self._stop:
+            self.save_checkpoint()
+            code = 128 + int(getattr(signal, self._stop, signal.SIGTERM))
+            raise Interrupted(f"Stopped by {self._stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
+
+    def finish(self) -> None:
+        """The last checkpoint, the final model folder and its card."""
+        self.save_checkpoint()
+        try:
+            self.saving.save_final(self.unwrapped_policy(), self.tokenizer, self.method, self)
+        except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
+            raise GcfError(f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
+                           f"step {self.step} is intact: free some space and run the same command with --resume to write the model.") from e
+        self.saving.final_saved = True
+        if self.is_main:
+            self.saving.write_card(self.method)
 
     def _time_to_evaluate(self, before_s: float) -> bool:
         """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""
@@ -347,17 +394,14 @@ class Trainer(RunFolder, Evaluation, Saving):
         return self.dist.full_parameters(self.policy) if self.dist is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ signals and progress
-    def _install_signal_handlers(self) -> Callable[[], None]:
-        """Turn SIGTERM/SIGINT into a checkpoint at the end of the step; returns what restores the old handlers."""
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        """SIGTERM/SIGINT: a checkpoint at the end of the step, then stop."""
+        self.stop_signal = signal.Signals(signum).name
 
-        def handler(signum: int, _frame: Any) -> None:
-            self._stop_signal = signal.Signals(signum).name
-
-        return install_stop_handlers(handler)
-
-    def _progress(self) -> Any:
+    def _progress(self) -> contextlib.AbstractContextManager:
+        """The progress bar (closed when the run ends), or None without one."""
         if not (self.cfg.progress and self.is_main):
-            return None
+            return contextlib.nullcontext(None)
         from tqdm.auto import tqdm
 
         return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.method}", dynamic_ncols=True)

@@ -3,7 +3,7 @@
 The bandit replaces the rollout and the reward function; everything else is production code:
 
     method.setup(runner)                 # GRPO: the frozen reference is a copy of the policy
-    batch = method.prepare(batch)        # the method's advantages; pi_ref log-probs via the engine
+    batch, _ = method.prepare(batch)     # the method's advantages; pi_ref log-probs via the engine
     logps = engine.token_logprobs(...)   # [N, 2], the log-prob of the output at position 1
     coef  = method.coefficient(batch, logps.detach())
     loss  = engine.weighted_loss(coef * weight, logps, batch, method.norm, Z); loss.backward()
@@ -121,7 +121,7 @@ def exact_gradient(method: Method, runner: BanditRunner, enum: GroupEnumeration,
         raise GcfError("exact expected gradients need zero_std=keep: excluding groups makes Z random.")
     policy = runner.bandit
     policy.zero_grad(set_to_none=True)
-    batch = method.prepare(enum.batch())
+    batch, _ = method.prepare(enum.batch())
     backward(method, policy, batch, Z, enum.weights(policy))
     return policy.head.weight.grad.t().clone()  # [P, K]
 
@@ -195,7 +195,7 @@ def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional
     avg, n_avg = np.zeros((problem.P, problem.K)), 0
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        batch = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
+        batch, _ = method.prepare(sample_groups(problem, policy, groups_per_prompt, cfg.group_size, gen))
         history.append(backward(method, policy, batch, engine.normaliser([batch], method.norm, cfg.norm_constant)))
         if not math.isfinite(history[-1]):
             raise GcfError(f"bandit training diverged at step {step} (lr {lr:g}); lower the learning rate.")
