@@ -30,7 +30,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     torch.set_num_threads(2)
-    print("| family | sliding window | path | max abs diff, log-probs | max abs diff, gradients |\n|---|---|---|---|---|")
+    print(
+        "| family | sliding window | path | max abs diff, log-probs | max abs diff, gradients |\n|---|---|---|---|---|"
+    )
     for name, (_, _, fields, kinds) in FAMILIES.items():
         model = build(name)
         g = torch.Generator().manual_seed(1)
@@ -44,7 +46,9 @@ def main() -> None:
             real = packing.pack_rows
             packing.pack_rows = lambda *a, **k: packed.append(real(*a, **k)) or packed[-1]
             try:
-                got = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True).logps
+                got = engine.token_logprobs(
+                    model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True
+                ).logps
             finally:
                 packing.pack_rows = real
             (got * w).sum().backward()

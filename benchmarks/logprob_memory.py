@@ -26,8 +26,16 @@ def child(path: str, tokens: int, vocab: int, chunk: int, device: str) -> dict:
 
     torch.manual_seed(0)
     # SmolLM2-135M's widths (hidden 576, vocab 49,152), two layers: the projection is what is measured
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(device)
     # the output layer and the embedding are frozen in both paths: their [V, H] weight gradients
     # are the same for both, so what differs, and is measured, is the memory for the logits
@@ -51,7 +59,7 @@ def child(path: str, tokens: int, vocab: int, chunk: int, device: str) -> dict:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if path == "backbone":  # the floor both paths share: the decoder's forward and backward
         h = model.model(input_ids=ids, attention_mask=am).last_hidden_state
-        lp = (h[:, :-1].float().sum(-1) * 0.0)
+        lp = h[:, :-1].float().sum(-1) * 0.0
     elif path == "engine":
         lp = engine.token_logprobs(model, ids, am, lm, 1.0, chunk).logps
     else:
@@ -80,8 +88,25 @@ def main() -> None:
         return
     res = {}
     for path in ("backbone", "naive", "engine"):
-        out = subprocess.run([sys.executable, __file__, "--child", path, "--tokens", str(a.tokens), "--vocab", str(a.vocab),
-                              "--chunk", str(a.chunk), "--device", a.device], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                path,
+                "--tokens",
+                str(a.tokens),
+                "--vocab",
+                str(a.vocab),
+                "--chunk",
+                str(a.chunk),
+                "--device",
+                a.device,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         res[path] = json.loads(out.stdout.strip().splitlines()[-1])
     full_mb = a.tokens * a.vocab * 4 / 2**20
     print(f"log-prob path, vocab {a.vocab}, {a.tokens} completion tokens, chunk {a.chunk}, {a.device}")

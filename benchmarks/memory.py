@@ -35,14 +35,40 @@ import sys
 import time
 from pathlib import Path
 
-STEP = dict(method="grpo", task="arithmetic", batch_size=8, group_size=8, max_new_tokens=64, beta=0.04, lr=1e-6, temperature=1.0,
-            micro_batch_size=8, device="cpu", dtype="float32", progress=False, log_every=1)
+STEP = dict(
+    method="grpo",
+    task="arithmetic",
+    batch_size=8,
+    group_size=8,
+    max_new_tokens=64,
+    beta=0.04,
+    lr=1e-6,
+    temperature=1.0,
+    micro_batch_size=8,
+    device="cpu",
+    dtype="float32",
+    progress=False,
+    log_every=1,
+)
 LORA = dict(lora_r=16, lora_alpha=32.0)
 
 # Qwen2.5-0.5B's published config (Qwen/Qwen2.5-0.5B-Instruct, config.json)
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=21, hidden_act="silu")
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=21,
+    hidden_act="silu",
+)
 
 
 def model_source(name: str) -> str:
@@ -58,7 +84,14 @@ def model_source(name: str) -> str:
     if not (folder / "model.safetensors").is_file():
         tok = tiny_tokenizer()
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                **QWEN25_05B,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                bos_token_id=tok.bos_token_id,
+            )
+        )
         model.save_pretrained(folder, safe_serialization=True)
         tok.save_pretrained(folder)
     return str(folder)
@@ -72,9 +105,15 @@ def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = Fal
     from gcfamily.run.trainer import Trainer
 
     torch.set_num_threads(2)
-    cfg = Config(model=model_source(model), output_dir=out, max_steps=steps, activation_checkpointing=checkpointing,
-                 rollout_pack_weights=pack, **STEP,
-                 **(LORA if mode == "lora" else {}))
+    cfg = Config(
+        model=model_source(model),
+        output_dir=out,
+        max_steps=steps,
+        activation_checkpointing=checkpointing,
+        rollout_pack_weights=pack,
+        **STEP,
+        **(LORA if mode == "lora" else {}),
+    )
     tr = Trainer(cfg)
     tr.save_final = lambda: None  # what is measured is training; skip writing the final model
     tr.save_checkpoint = lambda: None
@@ -82,12 +121,20 @@ def child(model: str, mode: str, steps: int, out: str, checkpointing: bool = Fal
     tr.run()
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     times = [r["time/step_s"] for r in rows if "time/step_s" in r]
-    print(json.dumps({
-        "model": model, "mode": mode, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "s_per_step": statistics.median(times[1:] or times), "step_s": times, "wall_s": time.perf_counter() - t0,
-        "trained_params": sum(p.numel() for p in tr.policy.parameters() if p.requires_grad),
-        "generated_tokens": [r.get("tokens/generated") for r in rows],
-    }))
+    print(
+        json.dumps(
+            {
+                "model": model,
+                "mode": mode,
+                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "s_per_step": statistics.median(times[1:] or times),
+                "step_s": times,
+                "wall_s": time.perf_counter() - t0,
+                "trained_params": sum(p.numel() for p in tr.policy.parameters() if p.requires_grad),
+                "generated_tokens": [r.get("tokens/generated") for r in rows],
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -95,14 +142,28 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b-shaped")
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run (the first is left out of s/step)")
     ap.add_argument("--work", default="runs/bench-memory")
-    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in the backward, in both modes")
-    ap.add_argument("--no-pack-weights", action="store_true",
-                    help="rollout_pack_weights=false in both modes: sample on the plain weights, no oneDNN packed copy")
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute decoder layers in the backward, in both modes",
+    )
+    ap.add_argument(
+        "--no-pack-weights",
+        action="store_true",
+        help="rollout_pack_weights=false in both modes: sample on the plain weights, no oneDNN packed copy",
+    )
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         model, mode, steps = args.child
-        child(model, mode, int(steps), str(Path(args.work) / f"{model}-{mode}"), args.activation_checkpointing, not args.no_pack_weights)
+        child(
+            model,
+            mode,
+            int(steps),
+            str(Path(args.work) / f"{model}-{mode}"),
+            args.activation_checkpointing,
+            not args.no_pack_weights,
+        )
         return
     results = []
     for model in args.models.split(","):
@@ -116,13 +177,20 @@ def main() -> None:
                 sys.exit(f"{model} {mode} failed:\n{res.stderr[-3000:]}")
             row = json.loads(res.stdout.strip().splitlines()[-1])
             results.append(row)
-            print(f"{model:22s} {mode:5s} peak {row['peak_mb']:8.0f} MB  {row['s_per_step']:7.2f} s/step  "
-                  f"trained params {row['trained_params']:,}  steps {[round(s, 1) for s in row['step_s']]}", flush=True)
-    print("\n| model | full peak MB | LoRA r=16 peak MB | LoRA / full | full s/step | LoRA s/step |\n|---|---|---|---|---|---|")
+            print(
+                f"{model:22s} {mode:5s} peak {row['peak_mb']:8.0f} MB  {row['s_per_step']:7.2f} s/step  "
+                f"trained params {row['trained_params']:,}  steps {[round(s, 1) for s in row['step_s']]}",
+                flush=True,
+            )
+    print(
+        "\n| model | full peak MB | LoRA r=16 peak MB | LoRA / full | full s/step | LoRA s/step |\n|---|---|---|---|---|---|"
+    )
     for model in args.models.split(","):
         full, lo = (next(r for r in results if r["model"] == model and r["mode"] == m) for m in ("full", "lora"))
-        print(f"| {model} | {full['peak_mb']:,.0f} | {lo['peak_mb']:,.0f} | {lo['peak_mb'] / full['peak_mb']:.2f} | "
-              f"{full['s_per_step']:.2f} | {lo['s_per_step']:.2f} |")
+        print(
+            f"| {model} | {full['peak_mb']:,.0f} | {lo['peak_mb']:,.0f} | {lo['peak_mb'] / full['peak_mb']:.2f} | "
+            f"{full['s_per_step']:.2f} | {lo['s_per_step']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,14 @@ class Phases:
     @contextlib.contextmanager
     def __call__(self, name: str, tensors=None):
         rss = self._boundary()
-        row = {"phase": "  " * len(self.open) + name, "start": rss, "peak": rss, "end": rss, "t0": time.perf_counter(), "tensors": None}
+        row = {
+            "phase": "  " * len(self.open) + name,
+            "start": rss,
+            "peak": rss,
+            "end": rss,
+            "t0": time.perf_counter(),
+            "tensors": None,
+        }
         self.rows.append(row)
         self.open.append(row)
         try:
@@ -100,10 +107,15 @@ class Phases:
         setattr(owner, attr, wrapped)
 
     def table(self) -> str:
-        out = ["| phase | RSS at start MB | peak within MB | RSS at end MB | torch tensors at end MB | s |", "|---|---|---|---|---|---|"]
+        out = [
+            "| phase | RSS at start MB | peak within MB | RSS at end MB | torch tensors at end MB | s |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in self.rows:
             t = "" if r["tensors"] is None else r["tensors"]
-            out.append(f"| {r['phase']} | {r['start']:,.0f} | {r['peak']:,.0f} | {r['end']:,.0f} | {t} | {r.get('s', 0):.1f} |")
+            out.append(
+                f"| {r['phase']} | {r['start']:,.0f} | {r['peak']:,.0f} | {r['end']:,.0f} | {t} | {r.get('s', 0):.1f} |"
+            )
         return "\n".join(out)
 
 
@@ -138,7 +150,9 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
     P.wrap(lora, "wrap", "LoRA wrap")
     P.wrap(trainer_mod.Trainer, "reference", "reference setup")
     P.wrap(onpolicy, "generate", "rollout", tensors)
-    rollout.packed_linears = _enter_only(P, rollout.packed_linears)  # a context manager: its entry packs, its body decodes
+    rollout.packed_linears = _enter_only(
+        P, rollout.packed_linears
+    )  # a context manager: its entry packs, its body decodes
     P.wrap(rollout, "_assemble", "assemble rollout")
     orig_as_rewards = onpolicy.as_rewards
 
@@ -155,8 +169,14 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
     torch.Tensor.backward = lambda self, *a, **k: _in(P, "backward (micro-batch)", orig_backward, self, *a, **k)
     P.wrap(torch.nn.utils, "clip_grad_norm_", "clip grad norm")
 
-    cfg = Config(model=model_source(model), output_dir=out, overwrite=True, max_steps=1, **{**STEP, "max_new_tokens": max_new_tokens},
-                 **(LORA if mode == "lora" else {}))
+    cfg = Config(
+        model=model_source(model),
+        output_dir=out,
+        overwrite=True,
+        max_steps=1,
+        **{**STEP, "max_new_tokens": max_new_tokens},
+        **(LORA if mode == "lora" else {}),
+    )
     with P("Trainer(cfg): load, wrap, task, reference, optimizer", tensors):
         tr = Trainer(cfg)
     state["tr"] = tr
@@ -170,7 +190,16 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
     whole = max(r["peak"] for r in P.rows)
     print(f"\n## {model} {mode}: peak {whole:,.0f} MB (VmHWM reset per phase: {P.resettable})\n")
     print(P.table())
-    print(json.dumps({"model": model, "mode": mode, "peak_mb": whole, "rows": [{k: v for k, v in r.items() if k != "t0"} for r in P.rows]}))
+    print(
+        json.dumps(
+            {
+                "model": model,
+                "mode": mode,
+                "peak_mb": whole,
+                "rows": [{k: v for k, v in r.items() if k != "t0"} for r in P.rows],
+            }
+        )
+    )
 
 
 def _in(P: Phases, name: str, fn, *a, **k):
@@ -202,16 +231,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--modes", default="full,lora")
-    ap.add_argument("--max-new-tokens", type=int, default=STEP["max_new_tokens"], help="below 64 only to explore: the headline figure is at 64")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=STEP["max_new_tokens"],
+        help="below 64 only to explore: the headline figure is at 64",
+    )
     ap.add_argument("--work", default="runs/bench-memory-phases")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], str(Path(args.work) / f"{args.child[0]}-{args.child[1]}"), args.max_new_tokens)
+        child(
+            args.child[0], args.child[1], str(Path(args.work) / f"{args.child[0]}-{args.child[1]}"), args.max_new_tokens
+        )
         return
     model_source(args.model)
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--work", args.work, "--max-new-tokens", str(args.max_new_tokens), "--child", args.model, mode]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--work",
+            args.work,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--child",
+            args.model,
+            mode,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             sys.exit(f"{args.model} {mode} failed:\n{res.stderr[-3000:]}")

@@ -134,9 +134,20 @@ def calls_in_one_grpo_step() -> tuple[int, int]:
     onpolicy.OnPolicy.data, logger.RunLogger.log = data, log
     try:
         with tempfile.TemporaryDirectory() as d:
-            api.train(method="grpo", model="tiny", task="arithmetic", max_steps=2, batch_size=2, group_size=4,
-                      max_new_tokens=8, micro_batch_size=4, progress=False, report_to="none", output_dir=f"{d}/run",
-                      log_completions_every=0)
+            api.train(
+                method="grpo",
+                model="tiny",
+                task="arithmetic",
+                max_steps=2,
+                batch_size=2,
+                group_size=4,
+                max_new_tokens=8,
+                micro_batch_size=4,
+                progress=False,
+                report_to="none",
+                output_dir=f"{d}/run",
+                log_completions_every=0,
+            )
     finally:
         sys.setprofile(None)
         onpolicy.OnPolicy.data, logger.RunLogger.log = real_data, real_log

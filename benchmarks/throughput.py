@@ -69,10 +69,27 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
     from gcfamily.run.trainer import Trainer
 
     case = CASES[name]
-    cfg = resolve(None, dict(method=case["method"], model=model, task="arithmetic", seed=0, device="cpu", dtype="float32",
-                             max_steps=reps + 2, batch_size=case["batch_size"], lr=case["lr"],
-                             beta=case.get("beta", 0.04), group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
-                             temperature=1.0, max_length=1024, progress=False, output_dir=tempfile.mkdtemp(prefix=f"throughput-{name}-")))
+    cfg = resolve(
+        None,
+        dict(
+            method=case["method"],
+            model=model,
+            task="arithmetic",
+            seed=0,
+            device="cpu",
+            dtype="float32",
+            max_steps=reps + 2,
+            batch_size=case["batch_size"],
+            lr=case["lr"],
+            beta=case.get("beta", 0.04),
+            group_size=case.get("group_size", 8),
+            max_new_tokens=case.get("max_new_tokens", 64),
+            temperature=1.0,
+            max_length=1024,
+            progress=False,
+            output_dir=tempfile.mkdtemp(prefix=f"throughput-{name}-"),
+        ),
+    )
     tr = Trainer(cfg)
     t = time.perf_counter()
     batch, _ = tr.method.data(0)
@@ -101,12 +118,29 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
     emb = policy.get_input_embeddings().weight
     V, H = head.shape
     backbone = params - emb.numel() - (head.numel() if head.data_ptr() != emb.data_ptr() else 0)
-    fwd = 2 * (backbone * packed + V * H * loss_tokens)  # one forward pass as run: packed tokens, output layer on loss tokens only
-    ref_passes = sum(k in prepared and k not in batch for k in ("ref_logps", "old_logps"))  # no-grad forwards in prepare
-    out = {"method": name, "params": params, "tokens": tokens, "packed_tokens": packed, "loss_tokens": loss_tokens, "rows": int(batch["input_ids"].shape[0]),
-           "seq_len": int(batch["input_ids"].shape[1]), "step_s": step_s, "prepare_s": statistics.median(prep),
-           "train_s": statistics.median(train), "data_s": data_s, "train_tokens_per_s": tokens / step_s,
-           "flops_6pt": 6 * params * tokens, "flops_done": 3 * fwd + ref_passes * fwd, "ref_passes": ref_passes}
+    fwd = 2 * (
+        backbone * packed + V * H * loss_tokens
+    )  # one forward pass as run: packed tokens, output layer on loss tokens only
+    ref_passes = sum(
+        k in prepared and k not in batch for k in ("ref_logps", "old_logps")
+    )  # no-grad forwards in prepare
+    out = {
+        "method": name,
+        "params": params,
+        "tokens": tokens,
+        "packed_tokens": packed,
+        "loss_tokens": loss_tokens,
+        "rows": int(batch["input_ids"].shape[0]),
+        "seq_len": int(batch["input_ids"].shape[1]),
+        "step_s": step_s,
+        "prepare_s": statistics.median(prep),
+        "train_s": statistics.median(train),
+        "data_s": data_s,
+        "train_tokens_per_s": tokens / step_s,
+        "flops_6pt": 6 * params * tokens,
+        "flops_done": 3 * fwd + ref_passes * fwd,
+        "ref_passes": ref_passes,
+    }
     if profile:
         out["profile"] = profile_step(tr, batch)
     return out
@@ -126,13 +160,32 @@ def profile_step(tr, batch: dict, top: int = 18) -> str:  # noqa: ANN001
 
 def generation_figures(model: str, reps: int) -> dict:
     """benchmarks/generation.py at batch 64 (8 prompts x 8 samples), 64 new tokens; its output parsed."""
-    cmd = [sys.executable, str(Path(__file__).parent / "generation.py"), "--model", "tiny" if model == "tiny" else "smollm2",
-           "--prompts", "8", "--samples", "8", "--max-new-tokens", "64", "--reps", str(reps), "--device", "cpu"]
-    text = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}).stdout
+    cmd = [
+        sys.executable,
+        str(Path(__file__).parent / "generation.py"),
+        "--model",
+        "tiny" if model == "tiny" else "smollm2",
+        "--prompts",
+        "8",
+        "--samples",
+        "8",
+        "--max-new-tokens",
+        "64",
+        "--reps",
+        str(reps),
+        "--device",
+        "cpu",
+    ]
+    text = subprocess.run(
+        cmd, capture_output=True, text=True, check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    ).stdout
     print(text, end="")
     rate = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(gcfamily|hf)\s+([\d.]+) tok/s", text, re.M)}
-    return {"gcfamily_tokens_per_s": rate.get("gcfamily"), "hf_tokens_per_s": rate.get("hf"),
-            "speedup": rate["gcfamily"] / rate["hf"] if rate.get("hf") else None}
+    return {
+        "gcfamily_tokens_per_s": rate.get("gcfamily"),
+        "hf_tokens_per_s": rate.get("hf"),
+        "speedup": rate["gcfamily"] / rate["hf"] if rate.get("hf") else None,
+    }
 
 
 def main() -> None:
@@ -146,7 +199,9 @@ def main() -> None:
     a = ap.parse_args()
 
     rate = matmul_rate()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"float32 matmul rate (2048^3, measured): {rate / 1e9:.1f} GFLOP/s", flush=True)
     results = []
     for name in [m.strip() for m in a.methods.split(",") if m.strip()]:
@@ -154,17 +209,22 @@ def main() -> None:
         r["fraction_6pt"] = r["flops_6pt"] / r["step_s"] / rate
         r["fraction_done"] = r["flops_done"] / r["step_s"] / rate
         results.append(r)
-        print(f"{name}: {r['step_s']:.3f} s/step (prepare {r['prepare_s']:.3f}, train {r['train_s']:.3f}) for {r['rows']} rows x "
-              f"{r['seq_len']} = {r['tokens']} tokens ({r['loss_tokens']} in the loss; {r['packed_tokens']} run, packed): {r['train_tokens_per_s']:.0f} train tok/s = "
-              f"{100 * r['fraction_6pt']:.1f}% of matmul by 6PT, {100 * r['fraction_done']:.1f}% by FLOPs done"
-              + (f"; sampling the batch took {r['data_s']:.1f} s" if r["data_s"] > 0.5 else ""), flush=True)
+        print(
+            f"{name}: {r['step_s']:.3f} s/step (prepare {r['prepare_s']:.3f}, train {r['train_s']:.3f}) for {r['rows']} rows x "
+            f"{r['seq_len']} = {r['tokens']} tokens ({r['loss_tokens']} in the loss; {r['packed_tokens']} run, packed): {r['train_tokens_per_s']:.0f} train tok/s = "
+            f"{100 * r['fraction_6pt']:.1f}% of matmul by 6PT, {100 * r['fraction_done']:.1f}% by FLOPs done"
+            + (f"; sampling the batch took {r['data_s']:.1f} s" if r["data_s"] > 0.5 else ""),
+            flush=True,
+        )
         if a.profile:
             print(r["profile"], flush=True)
     gen = None
     if not a.no_generation:
         gen = generation_figures(a.model, a.reps)
-        print(f"generation at batch 64: rollout {gen['gcfamily_tokens_per_s']:.0f} tok/s vs transformers generate "
-              f"{gen['hf_tokens_per_s']:.0f} tok/s = {gen['speedup']:.2f}x")
+        print(
+            f"generation at batch 64: rollout {gen['gcfamily_tokens_per_s']:.0f} tok/s vs transformers generate "
+            f"{gen['hf_tokens_per_s']:.0f} tok/s = {gen['speedup']:.2f}x"
+        )
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"matmul_flops": rate, "steps": results, "generation": gen}, indent=1))

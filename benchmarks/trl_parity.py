@@ -48,7 +48,7 @@ import torch
 
 from gcfamily.core import engine
 from gcfamily.config import Config, apply, parse_sets, resolve_settings
-from gcfamily.config.checks import validate
+from gcfamily.config import validate
 from gcfamily.methods import get_method
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.clipped import kl_value
@@ -56,7 +56,13 @@ from gcfamily.methods.grpo import GRPO
 
 TOL = 1e-6
 CONTROL_MIN = 1e-4  # a control row must differ by at least this much
-N_PROMPTS, G, P, T, MAX_LEN = 4, 4, 3, 8, 12  # GRPO: 4 prompts x 4 samples, prompt 3, completions <= 8, max_completion_length 12
+N_PROMPTS, G, P, T, MAX_LEN = (
+    4,
+    4,
+    3,
+    8,
+    12,
+)  # GRPO: 4 prompts x 4 samples, prompt 3, completions <= 8, max_completion_length 12
 PAIRS, DPO_P, DPO_T = 5, 2, 7  # preference pairs, prompt and completion widths
 EOS, PAD = 2, 0
 
@@ -78,7 +84,9 @@ class GSPO(GRPO):
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
-        log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1
+        )
         s = torch.exp(log_s).expand_as(logps)  # [B, L], one value per row
         return s, s
 
@@ -138,64 +146,225 @@ MU2 = {"num_iterations": 2}  # TRL's mu: pi_old is computed and differs from pi
 ROWS: list[Row] = [
     # -- GRPO loss types (each with mu = 2, so both clip sides are live)
     Row("grpo", "grpo", {"loss_type": "grpo", **MU2}, "grpo", "mu=2 std_eps=1e-4 beta=0"),
-    Row("grpo beta=0.04 (bias-corrected KL)", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
-    Row("grpo beta=0.04 as --method grpo-direct-kl", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo-direct-kl",
-        "mu=2 std_eps=1e-4 beta=0.04 kl_clamp=none"),
-    Row("grpo beta=0.04 use_bias_correction_kl=False", "grpo", {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False, **MU2},
-        "grpo", "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none"),
-    Row("grpo scale_rewards=batch", "grpo", {"loss_type": "grpo", "scale_rewards": "batch", **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0 scale_rewards=batch"),
-    Row("grpo scale_rewards=none", "grpo", {"loss_type": "grpo", "scale_rewards": "none", **MU2}, "grpo-shift", "mu=2 beta=0"),
-    Row("grpo epsilon=0.1 epsilon_high=0.3", "grpo", {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3, **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0 epsilon=0.1 epsilon_high=0.3"),
-    Row("grpo num_iterations=1", "grpo", {"loss_type": "grpo", "beta": 0.04}, "grpo",
-        "std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
-    Row("bnpo", "grpo", {"loss_type": "bnpo", "beta": 0.04, **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none loss_norm=token"),
-    Row("dr_grpo (scale_rewards=group, TRL's default)", "grpo", {"loss_type": "dr_grpo", **MU2}, "dr-grpo",
-        f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN}"),
-    Row("dr_grpo scale_rewards=none", "grpo", {"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.04, **MU2}, "dr-grpo",
-        f"mu=2 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none max_new_tokens={MAX_LEN}"),
-    Row("dapo (TRL default: epsilon_high=epsilon)", "grpo", {"loss_type": "dapo", **MU2}, "dapo", "mu=2 beta=0 std_eps=1e-4 epsilon_high=0.2"),
-    Row("dapo epsilon_high=0.28", "grpo", {"loss_type": "dapo", "epsilon_high": 0.28, **MU2}, "dapo", "mu=2 beta=0 std_eps=1e-4"),
+    Row(
+        "grpo beta=0.04 (bias-corrected KL)",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none",
+    ),
+    Row(
+        "grpo beta=0.04 as --method grpo-direct-kl",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04, **MU2},
+        "grpo-direct-kl",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_clamp=none",
+    ),
+    Row(
+        "grpo beta=0.04 use_bias_correction_kl=False",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none",
+    ),
+    Row(
+        "grpo scale_rewards=batch",
+        "grpo",
+        {"loss_type": "grpo", "scale_rewards": "batch", **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0 scale_rewards=batch",
+    ),
+    Row(
+        "grpo scale_rewards=none",
+        "grpo",
+        {"loss_type": "grpo", "scale_rewards": "none", **MU2},
+        "grpo-shift",
+        "mu=2 beta=0",
+    ),
+    Row(
+        "grpo epsilon=0.1 epsilon_high=0.3",
+        "grpo",
+        {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0 epsilon=0.1 epsilon_high=0.3",
+    ),
+    Row(
+        "grpo num_iterations=1",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04},
+        "grpo",
+        "std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none",
+    ),
+    Row(
+        "bnpo",
+        "grpo",
+        {"loss_type": "bnpo", "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none loss_norm=token",
+    ),
+    Row(
+        "dr_grpo (scale_rewards=group, TRL's default)",
+        "grpo",
+        {"loss_type": "dr_grpo", **MU2},
+        "dr-grpo",
+        f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN}",
+    ),
+    Row(
+        "dr_grpo scale_rewards=none",
+        "grpo",
+        {"loss_type": "dr_grpo", "scale_rewards": "none", "beta": 0.04, **MU2},
+        "dr-grpo",
+        f"mu=2 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none max_new_tokens={MAX_LEN}",
+    ),
+    Row(
+        "dapo (TRL default: epsilon_high=epsilon)",
+        "grpo",
+        {"loss_type": "dapo", **MU2},
+        "dapo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon_high=0.2",
+    ),
+    Row(
+        "dapo epsilon_high=0.28",
+        "grpo",
+        {"loss_type": "dapo", "epsilon_high": 0.28, **MU2},
+        "dapo",
+        "mu=2 beta=0 std_eps=1e-4",
+    ),
     Row("GRPOConfig() defaults, num_iterations=1", "grpo", {}, "dapo", "beta=0 std_eps=1e-4 epsilon_high=0.2"),
-    Row("luspo, importance_sampling_level=token", "grpo", {"loss_type": "luspo", **MU2}, "grpo", "mu=2 beta=0 std_eps=1e-4 loss_norm=sum"),
+    Row(
+        "luspo, importance_sampling_level=token",
+        "grpo",
+        {"loss_type": "luspo", **MU2},
+        "grpo",
+        "mu=2 beta=0 std_eps=1e-4 loss_norm=sum",
+    ),
     # -- user extensions (not built in; the classes above)
-    Row("grpo importance_sampling_level=sequence (GSPO) [subclass]", "grpo",
-        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2}, "gspo",
-        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4"),
-    Row("GSPO beta=0.04 use_bias_correction_kl=False [subclass]", "grpo",
-        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.04,
-         "use_bias_correction_kl": False, **MU2}, "gspo", "mu=2 beta=0.04 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 kl_estimator=k3 kl_clamp=none"),
-    Row("luspo importance_sampling_level=sequence [subclass]", "grpo",
-        {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2}, "gspo",
-        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 loss_norm=sum"),
-    Row("grpo delta=1.5 [subclass]", "grpo", {"loss_type": "grpo", "delta": 1.5, "beta": 0.04, **MU2}, "grpo-delta",
-        "mu=2 delta=1.5 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none"),
+    Row(
+        "grpo importance_sampling_level=sequence (GSPO) [subclass]",
+        "grpo",
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2},
+        "gspo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4",
+    ),
+    Row(
+        "GSPO beta=0.04 use_bias_correction_kl=False [subclass]",
+        "grpo",
+        {
+            "loss_type": "grpo",
+            "importance_sampling_level": "sequence",
+            "epsilon": 3e-4,
+            "epsilon_high": 4e-4,
+            "beta": 0.04,
+            "use_bias_correction_kl": False,
+            **MU2,
+        },
+        "gspo",
+        "mu=2 beta=0.04 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 kl_estimator=k3 kl_clamp=none",
+    ),
+    Row(
+        "luspo importance_sampling_level=sequence [subclass]",
+        "grpo",
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, **MU2},
+        "gspo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 loss_norm=sum",
+    ),
+    Row(
+        "grpo delta=1.5 [subclass]",
+        "grpo",
+        {"loss_type": "grpo", "delta": 1.5, "beta": 0.04, **MU2},
+        "grpo-delta",
+        "mu=2 delta=1.5 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none",
+    ),
     # -- preference losses
     Row("dpo sigmoid", "dpo", {"loss_type": ["sigmoid"], "beta": 0.1}, "dpo", "beta=0.1"),
-    Row("simpo (CPOConfig loss_type=simpo, cpo_alpha=0)", "simpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
-        "simpo", "beta=2.0 simpo_gamma=0.8"),
-    Row("dpo robust eps=0.1 = cdpo label_smoothing=-0.125 [refused]", "dpo", {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
-        "cdpo", "beta=0.1 label_smoothing=-0.125", validated=False),
+    Row(
+        "simpo (CPOConfig loss_type=simpo, cpo_alpha=0)",
+        "simpo",
+        {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
+        "simpo",
+        "beta=2.0 simpo_gamma=0.8",
+    ),
+    Row(
+        "dpo robust eps=0.1 = cdpo label_smoothing=-0.125 [refused]",
+        "dpo",
+        {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
+        "cdpo",
+        "beta=0.1 label_smoothing=-0.125",
+        validated=False,
+    ),
     # -- controls: near-misses that must differ
-    Row("control: grpo with gcfamily's std_eps=0", "grpo", {"loss_type": "grpo", **MU2}, "grpo", "mu=2 beta=0", expect="differ"),
-    Row("control: bias-corrected KL with gcfamily's kl_clamp=20", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted", expect="differ"),
-    Row("control: bias-corrected KL with plain k3", "grpo", {"loss_type": "grpo", "beta": 0.04, **MU2}, "grpo",
-        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none", expect="differ"),
-    Row("control: TRL dapo with gcfamily dapo's epsilon_high=0.28", "grpo", {"loss_type": "dapo", **MU2}, "dapo",
-        "mu=2 beta=0 std_eps=1e-4", expect="differ"),
-    Row("control: dr_grpo with gcfamily's max_new_tokens=64", "grpo", {"loss_type": "dr_grpo", **MU2}, "dr-grpo",
-        "mu=2 beta=0 scale_rewards=group std_eps=1e-4", expect="differ"),
-    Row("control: grpo mask_truncated_completions=True (no setting)", "grpo", {"loss_type": "grpo", "mask_truncated_completions": True, **MU2},
-        "grpo", "mu=2 std_eps=1e-4 beta=0", expect="differ"),
-    Row("control: dpo ipo (TRL: per-token means)", "dpo", {"loss_type": ["ipo"], "beta": 0.1}, "ipo", "beta=0.1", expect="differ"),
-    Row("control: dpo robust vs cdpo at the same eps", "dpo", {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
-        "cdpo", "beta=0.1 label_smoothing=0.1", expect="differ"),
-    Row("control: simpo with simpo_gamma = gamma/beta", "simpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
-        "simpo", "beta=2.0 simpo_gamma=0.4", expect="differ"),
+    Row(
+        "control: grpo with gcfamily's std_eps=0",
+        "grpo",
+        {"loss_type": "grpo", **MU2},
+        "grpo",
+        "mu=2 beta=0",
+        expect="differ",
+    ),
+    Row(
+        "control: bias-corrected KL with gcfamily's kl_clamp=20",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted",
+        expect="differ",
+    ),
+    Row(
+        "control: bias-corrected KL with plain k3",
+        "grpo",
+        {"loss_type": "grpo", "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3 kl_clamp=none",
+        expect="differ",
+    ),
+    Row(
+        "control: TRL dapo with gcfamily dapo's epsilon_high=0.28",
+        "grpo",
+        {"loss_type": "dapo", **MU2},
+        "dapo",
+        "mu=2 beta=0 std_eps=1e-4",
+        expect="differ",
+    ),
+    Row(
+        "control: dr_grpo with gcfamily's max_new_tokens=64",
+        "grpo",
+        {"loss_type": "dr_grpo", **MU2},
+        "dr-grpo",
+        "mu=2 beta=0 scale_rewards=group std_eps=1e-4",
+        expect="differ",
+    ),
+    Row(
+        "control: grpo mask_truncated_completions=True (no setting)",
+        "grpo",
+        {"loss_type": "grpo", "mask_truncated_completions": True, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0",
+        expect="differ",
+    ),
+    Row(
+        "control: dpo ipo (TRL: per-token means)",
+        "dpo",
+        {"loss_type": ["ipo"], "beta": 0.1},
+        "ipo",
+        "beta=0.1",
+        expect="differ",
+    ),
+    Row(
+        "control: dpo robust vs cdpo at the same eps",
+        "dpo",
+        {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
+        "cdpo",
+        "beta=0.1 label_smoothing=0.1",
+        expect="differ",
+    ),
+    Row(
+        "control: simpo with simpo_gamma = gamma/beta",
+        "simpo",
+        {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.8},
+        "simpo",
+        "beta=2.0 simpo_gamma=0.4",
+        expect="differ",
+    ),
 ]
 
 
@@ -218,8 +387,12 @@ def grpo_case(seed: int) -> dict[str, torch.Tensor]:
     for b in range(B):
         if ends[b]:
             ids[b, lengths[b] - 1] = EOS
-    logps = -(0.1 + 2.9 * torch.rand(B, P + T, generator=gen, dtype=torch.float64))  # [B, P+T], nonzero past the masks too
-    old = logps + 0.35 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T]: r = e^(+-0.35), both clip sides
+    logps = -(
+        0.1 + 2.9 * torch.rand(B, P + T, generator=gen, dtype=torch.float64)
+    )  # [B, P+T], nonzero past the masks too
+    old = logps + 0.35 * torch.randn(
+        B, P + T, generator=gen, dtype=torch.float64
+    )  # [B, P+T]: r = e^(+-0.35), both clip sides
     ref = logps + 0.5 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T]
     rows = torch.randperm(B, generator=gen)[:2]
     ref[rows, P] = logps[rows, P] - 25.0  # |log(pi_ref/pi)| = 25: past gcfamily's default kl_clamp of 20
@@ -270,14 +443,25 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     B = N_PROMPTS * G
-    args = GRPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=B,
-                      num_generations=G, max_completion_length=MAX_LEN, **row.trl)
+    args = GRPOConfig(
+        output_dir=workdir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=B,
+        num_generations=G,
+        max_completion_length=MAX_LEN,
+        **row.trl,
+    )
     tr = _bare(GRPOTrainer, args)
     # as GRPOTrainer.__init__ copies them from args
     tr.beta, tr.loss_type, tr.scale_rewards = args.beta, args.loss_type, args.scale_rewards
     tr.num_iterations, tr.epsilon_low = args.num_iterations, args.epsilon
     tr.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    tr.importance_sampling_level, tr.off_policy_mask_threshold = args.importance_sampling_level, args.off_policy_mask_threshold
+    tr.importance_sampling_level, tr.off_policy_mask_threshold = (
+        args.importance_sampling_level,
+        args.off_policy_mask_threshold,
+    )
     tr.mask_truncated_completions, tr.top_entropy_quantile = args.mask_truncated_completions, args.top_entropy_quantile
     tr.max_completion_length, tr.num_generations = args.max_completion_length, args.num_generations
     tr.num_generations_eval = args.num_generations_eval or args.num_generations
@@ -291,7 +475,13 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     tr._tokenizer, tr.eos_token_ids = types.SimpleNamespace(pad_token_id=PAD), [EOS]
     tr.ref_model = types.SimpleNamespace(name="pi_ref")
     tr._pending_extra_logs, tr._pending_metrics = {}, {}
-    tr._logs = {"prompt": deque(), "completion": deque(), "rewards": defaultdict(deque), "advantages": deque(), "extra": defaultdict(deque)}
+    tr._logs = {
+        "prompt": deque(),
+        "completion": deque(),
+        "rewards": defaultdict(deque),
+        "advantages": deque(),
+        "extra": defaultdict(deque),
+    }
 
     lengths, ids = case["lengths"], case["ids"]
     logps = case["logps"][:, P:].clone().requires_grad_(True)  # [B, T]: the leaf, completion positions
@@ -302,7 +492,9 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
         completion_ids = [ids[b, : lengths[b]].tolist() for b in range(B)]
         return [[5, 6, 7]] * B, completion_ids, None, ["c"] * B, None, {}, None, None
 
-    def logps_and_entropies(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, **kw: Any) -> tuple:
+    def logps_and_entropies(
+        model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, **kw: Any
+    ) -> tuple:
         assert logits_to_keep == T, (logits_to_keep, T)
         if model is tr.ref_model:
             calls.append("ref")
@@ -314,9 +506,13 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
         return logps, torch.zeros_like(logps), None
 
     tr._generate = generate
-    tr._calculate_rewards = lambda inputs, prompts, completions, ids_list: case["rewards"][:, None].clone()  # [B, 1] one reward function
+    tr._calculate_rewards = lambda inputs, prompts, completions, ids_list: case["rewards"][
+        :, None
+    ].clone()  # [B, 1] one reward function
     tr._get_per_token_logps_and_entropies = logps_and_entropies
-    inputs = [{"prompt": f"prompt {b // G}"} for b in range(B)]  # TRL's sampler repeats each prompt G times, consecutively
+    inputs = [
+        {"prompt": f"prompt {b // G}"} for b in range(B)
+    ]  # TRL's sampler repeats each prompt G times, consecutively
     out = GRPOTrainer._generate_and_score_completions(tr, inputs)
     loss = GRPOTrainer._compute_loss(tr, tr.model, out)
     loss.backward()
@@ -333,12 +529,23 @@ def _pair_order(B: int) -> torch.Tensor:
 def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", precompute_ref_log_probs=True, **row.trl)
+    args = DPOConfig(
+        output_dir=workdir, use_cpu=True, bf16=False, report_to="none", precompute_ref_log_probs=True, **row.trl
+    )
     tr = _bare(DPOTrainer, args)
     tr.beta, tr.precompute_ref_logps, tr.loss_types = args.beta, True, args.loss_type
     tr.loss_weights = args.loss_weights or [1.0] * len(tr.loss_types)
-    tr.ld_alpha, tr.f_divergence_type, tr.f_alpha_divergence_coef = args.ld_alpha, args.f_divergence_type, args.f_alpha_divergence_coef
-    tr.label_smoothing, tr.use_weighting, tr._total_train_tokens, tr._tp_size = args.label_smoothing, args.use_weighting, 0, 1
+    tr.ld_alpha, tr.f_divergence_type, tr.f_alpha_divergence_coef = (
+        args.ld_alpha,
+        args.f_divergence_type,
+        args.f_alpha_divergence_coef,
+    )
+    tr.label_smoothing, tr.use_weighting, tr._total_train_tokens, tr._tp_size = (
+        args.label_smoothing,
+        args.use_weighting,
+        0,
+        1,
+    )
 
     B = case["logps"].shape[0]
     order = _pair_order(B)
@@ -351,10 +558,17 @@ def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
         log_probs = (leaf[order] * mask)[:, 1:]  # [B, L-1]: TRL's fused head gives 0 where labels are -100
         assert torch.equal(labels[:, 1:] != -100, mask[:, 1:].bool())
         zeros = torch.zeros_like(log_probs).detach()
-        return types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None)
+        return types.SimpleNamespace(
+            log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
+        )
 
-    inputs = {"input_ids": case["ids"][order], "attention_mask": torch.ones_like(mask), "completion_mask": mask,
-              "ref_chosen_logps": ref_sum[: B // 2], "ref_rejected_logps": ref_sum[B // 2 :]}
+    inputs = {
+        "input_ids": case["ids"][order],
+        "attention_mask": torch.ones_like(mask),
+        "completion_mask": mask,
+        "ref_chosen_logps": ref_sum[: B // 2],
+        "ref_rejected_logps": ref_sum[B // 2 :],
+    }
     loss = DPOTrainer._compute_loss(tr, model, inputs, return_outputs=False)
     loss.backward()
     return {"loss": float(loss.detach()), "grad": leaf.grad}
@@ -366,7 +580,13 @@ def trl_simpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
 
     args = CPOConfig(output_dir=workdir, use_cpu=True, bf16=False, report_to="none", **row.trl)
     tr = _bare(CPOTrainer, args)
-    tr.beta, tr.label_smoothing, tr.loss_type, tr.cpo_alpha, tr.alpha = args.beta, args.label_smoothing, args.loss_type, args.cpo_alpha, args.alpha
+    tr.beta, tr.label_smoothing, tr.loss_type, tr.cpo_alpha, tr.alpha = (
+        args.beta,
+        args.label_smoothing,
+        args.loss_type,
+        args.cpo_alpha,
+        args.alpha,
+    )
     tr.simpo_gamma, tr.is_encoder_decoder, tr.pad_token_id = args.simpo_gamma, False, PAD
 
     B, L = case["logps"].shape
@@ -379,8 +599,11 @@ def trl_simpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
         return types.SimpleNamespace(logits=torch.stack([x, torch.log(-torch.expm1(x))], -1))  # [B, L, 2]
 
     labels = torch.where(case["loss_mask"].bool(), 0, -100)  # [B, L]: class 0 is the taken token
-    batch = {f"{side}_{k}": v[i::2] for side, i in (("chosen", 0), ("rejected", 1))
-             for k, v in (("input_ids", case["ids"]), ("attention_mask", torch.ones_like(labels)), ("labels", labels))}
+    batch = {
+        f"{side}_{k}": v[i::2]
+        for side, i in (("chosen", 0), ("rejected", 1))
+        for k, v in (("input_ids", case["ids"]), ("attention_mask", torch.ones_like(labels)), ("labels", labels))
+    }
     loss, _ = CPOTrainer.get_batch_loss_metrics(tr, model, batch)
     loss.backward()
     return {"loss": float(loss.detach()), "grad": leaf.grad}
@@ -435,8 +658,13 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
     loss_mask = ((pos >= P) & (pos < P + lengths[:, None])).long()  # [B, P+T]
     method.trainer = _Services(case["old"], case["ref"])  # what setup() would have given prepare
     method.ref = "reference" if method.settings.beta > 0 else None
-    batch: Batch = {"input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1), "attention_mask": torch.ones(B, P + T, dtype=torch.long),
-                    "loss_mask": loss_mask, "rewards": case["rewards"].clone(), "valid": torch.ones(B, dtype=torch.bool)}
+    batch: Batch = {
+        "input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1),
+        "attention_mask": torch.ones(B, P + T, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "rewards": case["rewards"].clone(),
+        "valid": torch.ones(B, dtype=torch.bool),
+    }
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])
     out["advantages"] = batch["advantages"].double()
@@ -446,8 +674,12 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
 def gcf_pairs(row: Row, case: dict) -> dict[str, Any]:
     method = build_method(row.method, row.sets, {}, row.validated)
     B = case["logps"].shape[0]
-    batch: Batch = {"input_ids": case["ids"], "attention_mask": torch.ones_like(case["loss_mask"]), "loss_mask": case["loss_mask"],
-                    "example_weight": torch.full((B,), 0.5)}
+    batch: Batch = {
+        "input_ids": case["ids"],
+        "attention_mask": torch.ones_like(case["loss_mask"]),
+        "loss_mask": case["loss_mask"],
+        "example_weight": torch.full((B,), 0.5),
+    }
     if method.uses_reference:
         batch["ref_logps"] = case["ref"] * case["loss_mask"]
     return _step(method, batch, case["logps"])
@@ -457,7 +689,9 @@ def gcf_pairs(row: Row, case: dict) -> dict[str, Any]:
 # the comparison
 
 
-def coverage(case: dict, advantages: torch.Tensor, eps_low: float, eps_high: float, level: str = "token") -> dict[str, int]:
+def coverage(
+    case: dict, advantages: torch.Tensor, eps_low: float, eps_high: float, level: str = "token"
+) -> dict[str, int]:
     """Branches the GRPO case reaches with these advantages: clipped tokens (or, at the sequence level, rows) on
     each side, equal-reward groups, tokens past gcfamily's KL clamp, padded and truncated rows (computed here,
     independently of both implementations)."""
@@ -470,9 +704,14 @@ def coverage(case: dict, advantages: torch.Tensor, eps_low: float, eps_high: flo
     r, A = torch.exp(log_r), advantages[:, None]
     kl_d = (case["ref"] - case["logps"])[:, P:].abs()
     groups = case["rewards"].view(N_PROMPTS, G)
-    return {"clip_low": int(((A < 0) & (r < 1 - eps_low) & mask).sum()), "clip_high": int(((A > 0) & (r > 1 + eps_high) & mask).sum()),
-            "equal_groups": int((groups.amax(-1) == groups.amin(-1)).sum()), "past_clamp": int(((kl_d > 20) & tokens).sum()),
-            "padded_rows": int((lengths < T).sum()), "truncated_rows": int((~case["ends"]).sum())}
+    return {
+        "clip_low": int(((A < 0) & (r < 1 - eps_low) & mask).sum()),
+        "clip_high": int(((A > 0) & (r > 1 + eps_high) & mask).sum()),
+        "equal_groups": int((groups.amax(-1) == groups.amin(-1)).sum()),
+        "past_clamp": int(((kl_d > 20) & tokens).sum()),
+        "padded_rows": int((lengths < T).sum()),
+        "truncated_rows": int((~case["ends"]).sum()),
+    }
 
 
 def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any]:
@@ -485,8 +724,13 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
             case = pair_case(seed)
             trl = (trl_dpo if row.kind == "dpo" else trl_simpo)(row, case, wd)
             gcf = gcf_pairs(row, case)
-    res = {"row": row.name, "loss_diff": abs(trl["loss"] - gcf["loss"]), "grad_diff": float((trl["grad"] - gcf["grad"]).abs().max()),
-           "grad_scale": float(trl["grad"].abs().max()), "adv_diff": None}
+    res = {
+        "row": row.name,
+        "loss_diff": abs(trl["loss"] - gcf["loss"]),
+        "grad_diff": float((trl["grad"] - gcf["grad"]).abs().max()),
+        "grad_scale": float(trl["grad"].abs().max()),
+        "adv_diff": None,
+    }
     if row.kind == "grpo":
         res["adv_diff"] = float((trl["advantages"] - gcf["advantages"]).abs().max())
         res["trl_calls"] = trl["calls"]  # which log-probs TRL's own code asked for: pi_old, pi_ref, pi
@@ -507,13 +751,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         import trl
     except ImportError:
-        print("TRL is not installed (pip install trl==1.16.0 \"torch==2.13.0\"); nothing to compare.")
+        print('TRL is not installed (pip install trl==1.16.0 "torch==2.13.0"); nothing to compare.')
         return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=r".*`gradient_checkpointing` is deprecated", category=FutureWarning)
     rows = [r for r in ROWS if not a.rows or any(s in r.name for s in a.rows.split(","))]
-    print(f"TRL {trl.__version__}, torch {torch.__version__}, float64; {a.seeds} random case(s) per row; tolerance {TOL:g}")
-    print(f"{'row':<62} {'expect':<6} {'|loss diff|':>11} {'|grad diff|':>11} {'|adv diff|':>10} {'max|grad|':>9}  status")
+    print(
+        f"TRL {trl.__version__}, torch {torch.__version__}, float64; {a.seeds} random case(s) per row; tolerance {TOL:g}"
+    )
+    print(
+        f"{'row':<62} {'expect':<6} {'|loss diff|':>11} {'|grad diff|':>11} {'|adv diff|':>10} {'max|grad|':>9}  status"
+    )
     failed = 0
     cov: dict[str, int] = defaultdict(int)
     with tempfile.TemporaryDirectory() as wd:
@@ -527,10 +775,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for k, v in r.get("coverage", {}).items():
                     cov[k] += v
             adv = f"{max(ad):10.2e}" if ad else f"{'-':>10}"
-            status = ("ok" if ok else "FAIL") + ("" if row.expect == "match" else " (differs, as expected)" if ok else " (control matched)")
-            print(f"{row.name:<62} {row.expect:<6} {ld:11.2e} {gd:11.2e} {adv} {max(r['grad_scale'] for r in results):9.2e}  {status}")
-    print("GRPO cases reached (summed over rows and seeds; clips count tokens, or rows for a sequence ratio): "
-          + ", ".join(f"{k} {v}" for k, v in cov.items()))
+            status = ("ok" if ok else "FAIL") + (
+                "" if row.expect == "match" else " (differs, as expected)" if ok else " (control matched)"
+            )
+            print(
+                f"{row.name:<62} {row.expect:<6} {ld:11.2e} {gd:11.2e} {adv} {max(r['grad_scale'] for r in results):9.2e}  {status}"
+            )
+    print(
+        "GRPO cases reached (summed over rows and seeds; clips count tokens, or rows for a sequence ratio): "
+        + ", ".join(f"{k} {v}" for k, v in cov.items())
+    )
     print(f"{len(rows) - failed} of {len(rows)} rows as expected" + ("" if not failed else f"; {failed} FAILED"))
     return 1 if failed else 0
 

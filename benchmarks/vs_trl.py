@@ -89,18 +89,45 @@ def run_gcfamily(case: dict, model: str, steps: int, out: Path, extra: dict) -> 
     from gcfamily.run.logger import read_metrics
     from gcfamily.run.trainer import Trainer
 
-    cfg = resolve(None, dict(method=case["method"], model=model, task="arithmetic", seed=SEED, device="cpu", dtype="float32",
-                             max_steps=steps, batch_size=case["batch_size"], lr=case["lr"],
-                             group_size=case.get("group_size", 8), max_new_tokens=case.get("max_new_tokens", 64),
-                             **({"beta": case["beta"]} if "beta" in case else {}), **MATCH_TRL.get(case["method"], {}),
-                             temperature=1.0, top_p=1.0, top_k=0, grad_clip=1.0, max_length=1024, eval_at_ends=False, progress=False,
-                             save_every=0, keep_last=1, output_dir=str(out), overwrite=True) | extra)  # all given: no method default replaces them
+    cfg = resolve(
+        None,
+        dict(
+            method=case["method"],
+            model=model,
+            task="arithmetic",
+            seed=SEED,
+            device="cpu",
+            dtype="float32",
+            max_steps=steps,
+            batch_size=case["batch_size"],
+            lr=case["lr"],
+            group_size=case.get("group_size", 8),
+            max_new_tokens=case.get("max_new_tokens", 64),
+            **({"beta": case["beta"]} if "beta" in case else {}),
+            **MATCH_TRL.get(case["method"], {}),
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            grad_clip=1.0,
+            max_length=1024,
+            eval_at_ends=False,
+            progress=False,
+            save_every=0,
+            keep_last=1,
+            output_dir=str(out),
+            overwrite=True,
+        )
+        | extra,
+    )  # all given: no method default replaces them
     trainer = Trainer(cfg)
     trainer.run()
     rows = [r for r in read_metrics(out) if "time/step_s" in r]
     res = {"step_s": [r["time/step_s"] for r in rows], "peak_rss_mb": rows[-1]["peak_memory_mb"]}
     if case["method"] == "grpo":  # sampling and scoring, the trainer's data time
-        res.update(generation_s=[r["time/data_s"] for r in rows], generated_tokens=[r.get("tokens/generated", 0.0) for r in rows])
+        res.update(
+            generation_s=[r["time/data_s"] for r in rows],
+            generated_tokens=[r.get("tokens/generated", 0.0) for r in rows],
+        )
     return res
 
 
@@ -129,10 +156,30 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
     tok = AutoTokenizer.from_pretrained(model)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    common = dict(model_init_kwargs={"dtype": torch.float32}, output_dir=str(out), max_steps=steps, per_device_train_batch_size=case["batch_size"], gradient_accumulation_steps=1,
-                  learning_rate=case["lr"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-                  bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, logging_steps=10**6, report_to="none",
-                  save_strategy="no", eval_strategy="no", seed=SEED, data_seed=SEED, disable_tqdm=True, dataloader_num_workers=0)
+    common = dict(
+        model_init_kwargs={"dtype": torch.float32},
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=case["batch_size"],
+        gradient_accumulation_steps=1,
+        learning_rate=case["lr"],
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        logging_steps=10**6,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        seed=SEED,
+        data_seed=SEED,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     timer = Timer()
     m = case["method"]
 
@@ -143,25 +190,40 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
         from trl import SFTConfig, SFTTrainer
 
         rows = task.rows("train")
-        data = [{"prompt": user(rows[i]["prompt"]), "completion": [{"role": "assistant", "content": rows[i]["completion"]}]}
-                for i in step_rows(len(rows), steps, case["batch_size"])]
+        data = [
+            {"prompt": user(rows[i]["prompt"]), "completion": [{"role": "assistant", "content": rows[i]["completion"]}]}
+            for i in step_rows(len(rows), steps, case["batch_size"])
+        ]
         args = SFTConfig(**common, max_length=1024, shuffle_dataset=False, packing=False)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tok, callbacks=[timer])
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tok, callbacks=[timer]
+        )
     elif m == "dpo":
         from trl import DPOConfig, DPOTrainer
 
         from gcfamily.data.preferences import preference_rows
 
         pairs = preference_rows(task, None, SEED)
-        data = [{"prompt": user(pairs[i]["prompt"]), "chosen": [{"role": "assistant", "content": pairs[i]["chosen"]}],
-                 "rejected": [{"role": "assistant", "content": pairs[i]["rejected"]}]} for i in step_rows(len(pairs), steps, case["batch_size"])]
+        data = [
+            {
+                "prompt": user(pairs[i]["prompt"]),
+                "chosen": [{"role": "assistant", "content": pairs[i]["chosen"]}],
+                "rejected": [{"role": "assistant", "content": pairs[i]["rejected"]}],
+            }
+            for i in step_rows(len(pairs), steps, case["batch_size"])
+        ]
         args = DPOConfig(**common, beta=case["beta"], max_length=1024, precompute_ref_log_probs=dpo_ref == "precompute")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tok, callbacks=[timer])
+        trainer = DPOTrainer(
+            model=model, args=args, train_dataset=Dataset.from_list(data), processing_class=tok, callbacks=[timer]
+        )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
         rows = task.rows("train")
-        data = [{"prompt": user(rows[i]["prompt"]), "answer": rows[i]["answer"]} for i in step_rows(len(rows), steps, case["batch_size"])]
+        data = [
+            {"prompt": user(rows[i]["prompt"]), "answer": rows[i]["answer"]}
+            for i in step_rows(len(rows), steps, case["batch_size"])
+        ]
         G = case["group_size"]
 
         def reward(prompts, completions, answer, **kw):  # noqa: ANN001
@@ -170,11 +232,30 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
 
         generated: list[float] = []
         common["per_device_train_batch_size"] = case["batch_size"] * G  # TRL counts completions per device
-        args = GRPOConfig(**common, num_generations=G, max_completion_length=case["max_new_tokens"], beta=case["beta"],
-                          temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, steps_per_generation=1, loss_type="grpo",
-                          scale_rewards="group", epsilon=0.2, shuffle_dataset=False, log_completions=False)
-        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
-                              processing_class=tok, callbacks=[timer])
+        args = GRPOConfig(
+            **common,
+            num_generations=G,
+            max_completion_length=case["max_new_tokens"],
+            beta=case["beta"],
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            num_iterations=1,
+            steps_per_generation=1,
+            loss_type="grpo",
+            scale_rewards="group",
+            epsilon=0.2,
+            shuffle_dataset=False,
+            log_completions=False,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[reward],
+            args=args,
+            train_dataset=Dataset.from_list(data),
+            processing_class=tok,
+            callbacks=[timer],
+        )
         inner = trainer._generate_and_score_completions
 
         def counting(inputs):  # noqa: ANN001
@@ -197,14 +278,32 @@ def run_trl(case: dict, model: str, steps: int, out: Path, dpo_ref: str) -> dict
 # the parent
 
 
-def launch(framework: str, case_name: str, model: str, steps: int, work: Path, dpo_ref: str, gcf_set: list[str]) -> dict:
+def launch(
+    framework: str, case_name: str, model: str, steps: int, work: Path, dpo_ref: str, gcf_set: list[str]
+) -> dict:
     out = work / f"{framework}-{case_name}-{time.time_ns()}"
     res_path = out.with_suffix(".json")
-    cmd = [sys.executable, __file__, "--child", framework, "--cases", case_name, "--model-dir", model, "--steps", str(steps),
-           "--result", str(res_path), "--dpo-ref", dpo_ref] + [x for kv in gcf_set for x in ("--gcf-set", kv)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        framework,
+        "--cases",
+        case_name,
+        "--model-dir",
+        model,
+        "--steps",
+        str(steps),
+        "--result",
+        str(res_path),
+        "--dpo-ref",
+        dpo_ref,
+    ] + [x for kv in gcf_set for x in ("--gcf-set", kv)]
     log = out.with_suffix(".log")
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        )
         _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0 or not res_path.is_file():
         tail = log.read_text().strip().splitlines()[-15:]
@@ -222,8 +321,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--reps", type=int, default=2, help="runs per framework and case, alternating")
     ap.add_argument("--dpo-ref", default="precompute", choices=["precompute", "per-step"])
-    ap.add_argument("--gcf-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="change a gcfamily setting, e.g. micro_batch_size=64 (same gradient, more memory)")
+    ap.add_argument(
+        "--gcf-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a gcfamily setting, e.g. micro_batch_size=64 (same gradient, more memory)",
+    )
     ap.add_argument("--frameworks", default="gcfamily,trl", help="which to run (one alone: its own figures, no ratio)")
     ap.add_argument("--json", default=None, help="also write every figure here")
     ap.add_argument("--child", choices=["gcfamily", "trl"], help=argparse.SUPPRESS)
@@ -236,7 +340,11 @@ def main() -> None:
         out = Path(a.result).with_suffix("")
         from gcfamily.config import parse_sets
 
-        res = run_gcfamily(case, a.model_dir, a.steps, out, parse_sets(tuple(a.gcf_set))) if a.child == "gcfamily" else run_trl(case, a.model_dir, a.steps, out, a.dpo_ref)
+        res = (
+            run_gcfamily(case, a.model_dir, a.steps, out, parse_sets(tuple(a.gcf_set)))
+            if a.child == "gcfamily"
+            else run_trl(case, a.model_dir, a.steps, out, a.dpo_ref)
+        )
         Path(a.result).write_text(json.dumps(res))
         return
 
@@ -248,8 +356,10 @@ def main() -> None:
     except ImportError:
         trl_version = "not installed"
         if "trl" in order:
-            print("TRL is not installed, so there is nothing to compare against: pip install -e \".[trl]\" "
-                  "(on a CPU machine: pip install trl \"torch==2.13.0\"), then run this again.")
+            print(
+                'TRL is not installed, so there is nothing to compare against: pip install -e ".[trl]" '
+                '(on a CPU machine: pip install trl "torch==2.13.0"), then run this again.'
+            )
             return
     import torch
 
@@ -259,9 +369,12 @@ def main() -> None:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     work = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     model = model_folder(a.model, work)
-    print(f"TRL {trl_version}, torch {torch.__version__} ({torch.get_num_threads()} threads), model {a.model}, float32 CPU, "
-          f"{a.steps} steps per run (first dropped), {a.reps} runs per framework, load average {os.getloadavg()[0]:.2f}"
-          + (f"; gcfamily settings changed: {' '.join(a.gcf_set)}" if a.gcf_set else ""), flush=True)
+    print(
+        f"TRL {trl_version}, torch {torch.__version__} ({torch.get_num_threads()} threads), model {a.model}, float32 CPU, "
+        f"{a.steps} steps per run (first dropped), {a.reps} runs per framework, load average {os.getloadavg()[0]:.2f}"
+        + (f"; gcfamily settings changed: {' '.join(a.gcf_set)}" if a.gcf_set else ""),
+        flush=True,
+    )
     report = {}
     for name in cases:
         runs: dict[str, list[dict]] = {f: [] for f in order}
@@ -269,19 +382,30 @@ def main() -> None:
             for fw in order if rep % 2 == 0 else order[::-1]:
                 r = launch(fw, name, model, a.steps, work, a.dpo_ref, a.gcf_set)
                 runs[fw].append(r)
-                gen = f", generation {statistics.median(r['generation_s'][1:] or r['generation_s']):.2f} s for " \
-                      f"{statistics.median(r['generated_tokens'][1:] or r['generated_tokens']):.0f} tokens" if any(r.get("generated_tokens", [])) else ""
-                print(f"  {name} rep {rep} {fw:8s}: steps {' '.join(f'{s:.2f}' for s in r['step_s'])} s{gen}; "
-                      f"peak {r['peak_rss_mb']:.0f} MB (lifetime {r['lifetime_rss_mb']:.0f} MB); load {os.getloadavg()[0]:.2f}", flush=True)
+                gen = (
+                    f", generation {statistics.median(r['generation_s'][1:] or r['generation_s']):.2f} s for "
+                    f"{statistics.median(r['generated_tokens'][1:] or r['generated_tokens']):.0f} tokens"
+                    if any(r.get("generated_tokens", []))
+                    else ""
+                )
+                print(
+                    f"  {name} rep {rep} {fw:8s}: steps {' '.join(f'{s:.2f}' for s in r['step_s'])} s{gen}; "
+                    f"peak {r['peak_rss_mb']:.0f} MB (lifetime {r['lifetime_rss_mb']:.0f} MB); load {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
         summary = {}
         for fw, rs in runs.items():
             times = [t for r in rs for t in (r["step_s"][1:] or r["step_s"])]
             gen_s = [t for r in rs for t in (r.get("generation_s", [])[1:] or r.get("generation_s", []))]
             gen_tok = [t for r in rs for t in (r.get("generated_tokens", [])[1:] or r.get("generated_tokens", []))]
-            summary[fw] = {"step_s": statistics.median(times), "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
-                           "lifetime_rss_mb": max(r["lifetime_rss_mb"] for r in rs),
-                           "generation_s": statistics.median(gen_s) if gen_s else None,
-                           "generation_tokens_per_s": sum(gen_tok) / sum(gen_s) if gen_s else None, "runs": rs}
+            summary[fw] = {
+                "step_s": statistics.median(times),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                "lifetime_rss_mb": max(r["lifetime_rss_mb"] for r in rs),
+                "generation_s": statistics.median(gen_s) if gen_s else None,
+                "generation_tokens_per_s": sum(gen_tok) / sum(gen_s) if gen_s else None,
+                "runs": rs,
+            }
         report[name] = summary
         if len(order) < 2:
             for fw, v in summary.items():
@@ -294,10 +418,24 @@ def main() -> None:
         gen = ""
         if g["generation_tokens_per_s"]:
             gen = f"; generation {g['generation_tokens_per_s']:.0f} vs {t['generation_tokens_per_s']:.0f} tok/s"
-        print(f"{name}: gcfamily {g['step_s']:.2f} s/step, peak {g['peak_rss_mb']:.0f} MB | TRL {t['step_s']:.2f} s/step, peak "
-              f"{t['peak_rss_mb']:.0f} MB | ratio {summary['ratio_step_s']:.2f}x time, {summary['ratio_peak_rss']:.2f}x memory{gen}", flush=True)
+        print(
+            f"{name}: gcfamily {g['step_s']:.2f} s/step, peak {g['peak_rss_mb']:.0f} MB | TRL {t['step_s']:.2f} s/step, peak "
+            f"{t['peak_rss_mb']:.0f} MB | ratio {summary['ratio_step_s']:.2f}x time, {summary['ratio_peak_rss']:.2f}x memory{gen}",
+            flush=True,
+        )
     if a.json:
-        Path(a.json).write_text(json.dumps({"model": a.model, "gcf_set": a.gcf_set, "trl": trl_version, "torch": torch.__version__, "cases": report}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "model": a.model,
+                    "gcf_set": a.gcf_set,
+                    "trl": trl_version,
+                    "torch": torch.__version__,
+                    "cases": report,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ class GSPO(GRPO):
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = batch["loss_mask"].float()  # [B, L]
-        log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+            min=1
+        )
         s = torch.exp(log_s).expand_as(logps)  # [B, L]: s_i on every token of o_i
         return s, s  # GC factor s_i: the s_i / |o_i| of d s_i / d logp_t is the aggregation's w_t
 

@@ -48,8 +48,17 @@ def _reward_label(r: Any) -> str:
     return r if isinstance(r, str) else getattr(r, "__name__", None) or type(r).__name__
 
 
-def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None, reward: Any = None, *,
-          eval_dataset: Any = None, output_dir: Optional[str] = None, resume: Optional[str] = None, **settings: Any) -> Path:
+def train(
+    method: Any = "sft",
+    model: Any = "smollm2-135m",
+    dataset: Any = None,
+    reward: Any = None,
+    *,
+    eval_dataset: Any = None,
+    output_dir: Optional[str] = None,
+    resume: Optional[str] = None,
+    **settings: Any,
+) -> Path:
     """Train and return the run folder (module docstring); the final model loads with from_pretrained(folder)."""
     from gcfamily.config import Config, apply, resolve_settings
     from gcfamily.methods import get_method
@@ -92,5 +101,7 @@ def train(method: Any = "sft", model: Any = "smollm2-135m", dataset: Any = None,
     resolve_settings(cfg, method_cls if method_cls is not None else get_method(cfg.method))
     if output_dir is None:
         cfg = default_output_dir(cfg, resume)
-    trainer = Trainer(cfg, resume=resume, method=method_cls, model=model_obj, dataset=data_obj, eval_dataset=eval_obj, rewards=rewards)
+    trainer = Trainer(
+        cfg, resume=resume, method=method_cls, model=model_obj, dataset=data_obj, eval_dataset=eval_obj, rewards=rewards
+    )
     return trainer.run().resolve()

@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 import click
 
+from gcfamily.bench import bench
 from gcfamily.errors import GcfError
+from gcfamily.theory.cli import theory
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Read when the libraries are imported: their notices and warnings would otherwise come before a one-line error.
@@ -49,11 +51,23 @@ def _quiet_libraries() -> None:
     import logging
     import warnings
 
-    for name in ("transformers", "datasets", "huggingface_hub", "torch", "accelerate", "peft", "safetensors", "filelock", "urllib3"):
+    for name in (
+        "transformers",
+        "datasets",
+        "huggingface_hub",
+        "torch",
+        "accelerate",
+        "peft",
+        "safetensors",
+        "filelock",
+        "urllib3",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     # datasets' file readers log a parse error, then raise it: the raise becomes the one error line
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", module=r"(transformers|datasets|huggingface_hub|torch|accelerate|peft|safetensors)(\.|$)")
+    warnings.filterwarnings(
+        "ignore", module=r"(transformers|datasets|huggingface_hub|torch|accelerate|peft|safetensors)(\.|$)"
+    )
     try:
         from transformers.utils import logging as hf_logging
 
@@ -77,17 +91,30 @@ def _overrides(**opts: Any) -> dict[str, Any]:
 @click.option("--method", help="Method: a name from `gcf methods`, module:Class or path/to/file.py:Class.")
 @click.option("--model", help="Alias (tiny, smollm2-135m, qwen-0.5b), hub id or local folder.")
 @click.option("--task", help="Built-in task (arithmetic, countdown, sorting, ...).")
-@click.option("--dataset", help="JSONL/JSON/parquet/CSV file, save_to_disk folder, or hub id (org/name); any TRL format the method takes.")
+@click.option(
+    "--dataset",
+    help="JSONL/JSON/parquet/CSV file, save_to_disk folder, or hub id (org/name); any TRL format the method takes.",
+)
 @click.option("--dataset-config", help="The hub dataset's configuration (subset), e.g. main.")
 @click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
 @click.option("--set", "sets", multiple=True, help="Override any setting: --set key=value (repeatable).")
 @click.option("--max-steps", type=int)
 @click.option("--output-dir", type=str)
-@click.option("--reward", multiple=True, callback=lambda _ctx, _p, v: (v[0] if len(v) == 1 else list(v)) if v else None,
-              help="Reward: built-in name, module:function or file.py:function; repeat for several (weights: --set reward_weights=[1,0.5]).")
+@click.option(
+    "--reward",
+    multiple=True,
+    callback=lambda _ctx, _p, v: (v[0] if len(v) == 1 else list(v)) if v else None,
+    help="Reward: built-in name, module:function or file.py:function; repeat for several (weights: --set reward_weights=[1,0.5]).",
+)
 @click.option("--reward-model", help="Folder of a trained reward model.")
 @click.option("--seed", type=int)
-@click.option("--resume", is_flag=False, flag_value="latest", default=None, help="Continue from the newest checkpoint (or from PATH).")
+@click.option(
+    "--resume",
+    is_flag=False,
+    flag_value="latest",
+    default=None,
+    help="Continue from the newest checkpoint (or from PATH).",
+)
 @click.option("--overwrite", is_flag=True, default=None, help="Replace a previous run in the output folder.")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow model code from the hub.")
 @click.option("--eval", "eval_at_ends", is_flag=True, default=None, help="Held-out accuracy before and after training.")
@@ -97,7 +124,7 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     """Train a model with a method."""
     from gcfamily.config import parse_sets
     from gcfamily.methods import resolve
-    from gcfamily.config.checks import validate
+    from gcfamily.config import validate
     from gcfamily.models import check_source, context_of
 
     overrides = _overrides(**opts)
@@ -107,8 +134,10 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     check_source(cfg.model)  # a damaged model folder is refused before --overwrite clears the output folder
     context = context_of(cfg.model)
     if context is not None and cfg.max_length > context:  # longer rows would run past the model's positions
-        raise GcfError(f"max_length={cfg.max_length} is longer than the context of model {cfg.model} ({context} positions, "
-                       f"max_position_embeddings); set max_length <= {context}.")
+        raise GcfError(
+            f"max_length={cfg.max_length} is longer than the context of model {cfg.model} ({context} positions, "
+            f"max_position_embeddings); set max_length <= {context}."
+        )
     if "output_dir" not in cfg.explicit:
         from gcfamily.api import default_output_dir
 
@@ -126,7 +155,9 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
 
         check_batch_size(cfg.batch_size, nproc)
         if "run" not in sys.argv:
-            raise GcfError("--nproc re-runs the `gcf run` command line; call it as `gcf run ... --nproc N`, or use torchrun.")
+            raise GcfError(
+                "--nproc re-runs the `gcf run` command line; call it as `gcf run ... --nproc N`, or use torchrun."
+            )
         sys.exit(launch(nproc, sys.argv[sys.argv.index("run") :]))
     from gcfamily.run.trainer import Trainer
 
@@ -159,7 +190,9 @@ def methods(spec: Optional[str]) -> None:
 
 
 @main.command()
-@click.option("--method", "spec", default=None, help="Add a method's own settings: a name, module:Class or path/to/file.py:Class.")
+@click.option(
+    "--method", "spec", default=None, help="Add a method's own settings: a name, module:Class or path/to/file.py:Class."
+)
 def settings(spec: Optional[str]) -> None:
     """List the shared settings (and a method's own) with their defaults and meaning."""
     import dataclasses
@@ -193,7 +226,9 @@ def settings(spec: Optional[str]) -> None:
 @main.command("check")
 @click.argument("spec")
 @click.option("--set", "sets", multiple=True, help="Also check at these settings: --set key=value (repeatable).")
-@click.option("--seeds", default=2, show_default=True, type=click.IntRange(1, 10), help="Random batches per settings case.")
+@click.option(
+    "--seeds", default=2, show_default=True, type=click.IntRange(1, 10), help="Random batches per settings case."
+)
 def check_cmd(spec: str, sets: tuple[str, ...], seeds: int) -> None:
     """Check a method's gradient (a name, module:Class or path/to/file.py:Class) against an independent textbook.
 
@@ -213,7 +248,9 @@ def check_cmd(spec: str, sets: tuple[str, ...], seeds: int) -> None:
         given = {k.replace("-", "_"): v for k, v in values.items()}
         given = {k: getattr(typed, k) if k in FIELDS else v for k, v in given.items()}
         if "group_size" in given:
-            raise GcfError(f"--set group_size: the check's batches have {check.G} samples per prompt; leave group_size out.")
+            raise GcfError(
+                f"--set group_size: the check's batches have {check.G} samples per prompt; leave group_size out."
+            )
         m = check.make(cls, {"group_size": check.G, **given})  # a bad key or value: one error line
         cases.append(("given", {k: getattr(m.cfg, k) for k in given}))  # typed by the method's Settings
     outcomes = [check.run_case(cls, label, s, tuple(range(seeds))) for label, s in cases]
@@ -234,17 +271,21 @@ def tasks() -> None:
 @main.command("data")
 @click.option("--method", default="sft", show_default=True, help="The method whose view of the data to show.")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Whose tokenizer (and chat template) to use.")
-@click.option("--dataset", help="File, save_to_disk folder or hub id; without it, the task's rows as the method makes them.")
+@click.option(
+    "--dataset", help="File, save_to_disk folder or hub id; without it, the task's rows as the method makes them."
+)
 @click.option("--dataset-config", help="The hub dataset's configuration (subset).")
 @click.option("--task", default=None, help="Built-in task, when there is no --dataset.")
 @click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
-@click.option("--set", "sets", multiple=True, help="Settings: chat_format, system_prompt, columns, max_length, ... (key=value).")
+@click.option(
+    "--set", "sets", multiple=True, help="Settings: chat_format, system_prompt, columns, max_length, ... (key=value)."
+)
 @click.option("--rows", default=3, show_default=True, type=click.IntRange(0, 1000), help="Rows to print.")
 def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opts: Any) -> None:
     """Show what a method trains on: format, chat format, rows kept and skipped, lengths, and the first rows as tokenised."""
     from gcfamily.config import parse_sets
     from gcfamily.methods import resolve
-    from gcfamily.config.checks import validate
+    from gcfamily.config import validate
     from gcfamily.inspect_data import describe
 
     overrides = _overrides(**opts)
@@ -255,19 +296,45 @@ def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opt
 
 
 @main.command("eval")
-@click.option("--model", default="smollm2-135m", show_default=True, help="Alias, hub id or local folder (e.g. a run folder).")
+@click.option(
+    "--model", default="smollm2-135m", show_default=True, help="Alias, hub id or local folder (e.g. a run folder)."
+)
 @click.option("--task", default="arithmetic", show_default=True)
-@click.option("--dataset", default=None, help="Your held-out rows instead of a task (file, save_to_disk folder or hub id); needs --reward.")
+@click.option(
+    "--dataset",
+    default=None,
+    help="Your held-out rows instead of a task (file, save_to_disk folder or hub id); needs --reward.",
+)
 @click.option("--dataset-config", default=None, help="The hub dataset's configuration (subset).")
 @click.option("--split", default="test", show_default=True, help="Split of --dataset.")
-@click.option("--reward", multiple=True, help="Reward(s) scoring --dataset completions: built-in name, module:function or file.py:function.")
+@click.option(
+    "--reward",
+    multiple=True,
+    help="Reward(s) scoring --dataset completions: built-in name, module:function or file.py:function.",
+)
 @click.option("--samples", default=200, show_default=True, type=click.IntRange(min=1), help="Held-out prompts.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the task's train/test split.")
-@click.option("--set", "sets", multiple=True, help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).")
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).",
+)
 @click.option("--device", default="auto", show_default=True)
-def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Optional[str], split: str, reward: tuple[str, ...], samples: int,
-             max_new_tokens: int, seed: int, sets: tuple[str, ...], device: str) -> None:
+def eval_cmd(
+    model: str,
+    task: str,
+    dataset: Optional[str],
+    dataset_config: Optional[str],
+    split: str,
+    reward: tuple[str, ...],
+    samples: int,
+    max_new_tokens: int,
+    seed: int,
+    sets: tuple[str, ...],
+    device: str,
+) -> None:
     """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding."""
     import time
 
@@ -277,10 +344,12 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
 
     dev = resolve_device(device)
     if dataset is None and reward:
-        raise GcfError("--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset).")
+        raise GcfError(
+            "--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset)."
+        )
     if dataset is not None:
         from gcfamily.config import Config, apply
-        from gcfamily.config.checks import validate
+        from gcfamily.config import validate
         from gcfamily.data.sources import load_rows
         from gcfamily.run.evaluate import evaluate_rows
         from gcfamily.data.formats import Formatter
@@ -297,10 +366,19 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
         from gcfamily.core import onednn
 
         with onednn.packing(cfg.rollout_pack_weights):
-            out = evaluate_rows(m, fmt, rows, Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout), max_new_tokens, n=samples)
+            out = evaluate_rows(
+                m,
+                fmt,
+                rows,
+                Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout),
+                max_new_tokens,
+                n=samples,
+            )
         acc = f", accuracy {out['eval/accuracy']:.3f}" if "eval/accuracy" in out else ""
-        click.echo(f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
-                   f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s")
+        click.echo(
+            f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
+            f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
+        )
         return
     from gcfamily.run.evaluate import heldout_accuracy
     from gcfamily.tasks import get_task
@@ -319,12 +397,7 @@ def eval_cmd(model: str, task: str, dataset: Optional[str], dataset_config: Opti
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
 
 
-from gcfamily.theory.cli import theory  # noqa: E402
-
 main.add_command(theory)
-
-from gcfamily.bench import bench  # noqa: E402
-
 main.add_command(bench)
 
 

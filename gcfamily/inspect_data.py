@@ -25,7 +25,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
-        raise GcfError(f"The tokenizer of {name} ({source}) could not be loaded ({str(e).splitlines()[0][:160]}).") from e
+        raise GcfError(
+            f"The tokenizer of {name} ({source}) could not be loaded ({str(e).splitlines()[0][:160]})."
+        ) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -56,12 +58,18 @@ def describe(cfg: Any, n_rows: int = 3) -> str:
 
     cls = get_method(cfg.method)
     if not cls.data_kind:
-        raise GcfError(f"Method {cfg.method} reads no dataset of its own (data_kind is empty), so there is nothing to show.")
+        raise GcfError(
+            f"Method {cfg.method} reads no dataset of its own (data_kind is empty), so there is nothing to show."
+        )
     tok = load_tokenizer(cfg.model, cfg.trust_remote_code)
     fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
     if cfg.dataset:
         rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
-        source = f"dataset {cfg.dataset}" + (f" (config {cfg.dataset_config})" if cfg.dataset_config else "") + f", split {cfg.dataset_split}"
+        source = (
+            f"dataset {cfg.dataset}"
+            + (f" (config {cfg.dataset_config})" if cfg.dataset_config else "")
+            + f", split {cfg.dataset_split}"
+        )
     elif cfg.task:
         from gcfamily.tasks import get_task
 
@@ -73,13 +81,20 @@ def describe(cfg: Any, n_rows: int = 3) -> str:
     lines = [
         f"{cfg.method} reads {cls.data_kind}: {source}",
         f"format: {FORMATS[enc.format]}, {'conversational' if enc.conversational else 'standard (strings)'}; "
-        f"chat_format={cfg.chat_format} -> {enc.mode}" + (f"; system_prompt={cfg.system_prompt!r}" if cfg.system_prompt is not None else ""),
+        f"chat_format={cfg.chat_format} -> {enc.mode}"
+        + (f"; system_prompt={cfg.system_prompt!r}" if cfg.system_prompt is not None else ""),
         f"rows: {len(rows)} read, {len(enc.examples)} kept, {enc.n_skipped} skipped"
         + "".join(f"\n  skipped {n}: {why}" for why, n in enc.skipped.items()),
     ]
     lengths, trained = _lengths(enc)
-    lines.append(f"lengths: {_quantiles(lengths)}" + (f"; trained tokens per row: {_quantiles(trained)}" if trained else ""))
-    lines.append("trained (loss) tokens are between [[ and ]]" if enc.kind != "prompts" else "prompts only: the completions are sampled by the policy")
+    lines.append(
+        f"lengths: {_quantiles(lengths)}" + (f"; trained tokens per row: {_quantiles(trained)}" if trained else "")
+    )
+    lines.append(
+        "trained (loss) tokens are between [[ and ]]"
+        if enc.kind != "prompts"
+        else "prompts only: the completions are sampled by the policy"
+    )
     for i, (row, ex) in enumerate(zip(enc.rows[:n_rows], enc.examples[:n_rows])):
         lines.append(f"--- row {i}")
         lines.extend(_show(tok, enc.kind, row, ex))
@@ -102,10 +117,20 @@ def _show(tok: Any, kind: str, row: dict[str, Any], ex: Any) -> list[str]:
         return [f"({len(ids)} tokens, {sum(mask[1:])} trained)", marked(tok, ids, mask)]
     if kind == "prompts":
         cols = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
-        return [f"({len(ex)} prompt tokens; columns given to the rewards: {cols})", tok.decode(ex, skip_special_tokens=False)]
+        return [
+            f"({len(ex)} prompt tokens; columns given to the rewards: {cols})",
+            tok.decode(ex, skip_special_tokens=False),
+        ]
     if kind == "pairs":
         p, c, r = ex
-        return [f"chosen ({len(p)} + {len(c)} tokens):", marked(tok, p + c, [0] * len(p) + [1] * len(c)),
-                f"rejected ({len(p)} + {len(r)} tokens):", marked(tok, p + r, [0] * len(p) + [1] * len(r))]
+        return [
+            f"chosen ({len(p)} + {len(c)} tokens):",
+            marked(tok, p + c, [0] * len(p) + [1] * len(c)),
+            f"rejected ({len(p)} + {len(r)} tokens):",
+            marked(tok, p + r, [0] * len(p) + [1] * len(r)),
+        ]
     p, c = ex
-    return [f"label {'desirable' if row['label'] else 'undesirable'} ({len(p)} + {len(c)} tokens):", marked(tok, p + c, [0] * len(p) + [1] * len(c))]
+    return [
+        f"label {'desirable' if row['label'] else 'undesirable'} ({len(p)} + {len(c)} tokens):",
+        marked(tok, p + c, [0] * len(p) + [1] * len(c)),
+    ]

@@ -35,15 +35,39 @@ def _one_clear_line(code, out, err):
     ],
 )
 def test_bad_settings_and_references(gcf, tmp_path, args, needle):
-    code, out, err = gcf("run", "--model", "tiny", *args, "--max-steps", "1", "--output-dir", str(tmp_path / "o"),
-                         "--set", "progress=false", "--set", "max_new_tokens=4", "--set", "batch_size=2")
+    code, out, err = gcf(
+        "run",
+        "--model",
+        "tiny",
+        *args,
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--set",
+        "progress=false",
+        "--set",
+        "max_new_tokens=4",
+        "--set",
+        "batch_size=2",
+    )
     _one_clear_line(code, out, err)
     assert needle in err, err
 
 
 def test_resume_in_a_run_without_checkpoints(gcf, tmp_path):
-    code, out, err = gcf("run", "--model", "tiny", "--method", "sft", "--resume", "--max-steps", "1",
-                         "--output-dir", str(tmp_path / "fresh"))
+    code, out, err = gcf(
+        "run",
+        "--model",
+        "tiny",
+        "--method",
+        "sft",
+        "--resume",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "fresh"),
+    )
     _one_clear_line(code, out, err)
     assert "No complete checkpoint" in err
 
@@ -51,26 +75,68 @@ def test_resume_in_a_run_without_checkpoints(gcf, tmp_path):
 def test_empty_dataset(gcf, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    code, out, err = gcf("run", "--model", "tiny", "--method", "sft", "--dataset", str(data), "--max-steps", "1",
-                         "--output-dir", str(tmp_path / "o"))
+    code, out, err = gcf(
+        "run",
+        "--model",
+        "tiny",
+        "--method",
+        "sft",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     _one_clear_line(code, out, err)
     assert "empty" in err or "could not be read" in err
 
 
 def test_empty_field_names_the_row(gcf, tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": " ", "completion": "b"}) + "\n")
-    code, out, err = gcf("run", "--model", "tiny", "--method", "sft", "--dataset", str(data), "--max-steps", "1",
-                         "--output-dir", str(tmp_path / "o"))
+    data.write_text(
+        json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": " ", "completion": "b"}) + "\n"
+    )
+    code, out, err = gcf(
+        "run",
+        "--model",
+        "tiny",
+        "--method",
+        "sft",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     _one_clear_line(code, out, err)
     assert "Row 1" in err and "'prompt'" in err
 
 
 def test_prompt_longer_than_context_errors_when_asked(gcf, tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": "x" * 300, "completion": "b"}) + "\n" + json.dumps({"prompt": "ok", "completion": "b"}) + "\n")
-    base = ["run", "--model", "tiny", "--method", "sft", "--dataset", str(data), "--max-steps", "1", "--set", "max_length=64",
-            "--set", "progress=false"]
+    data.write_text(
+        json.dumps({"prompt": "x" * 300, "completion": "b"})
+        + "\n"
+        + json.dumps({"prompt": "ok", "completion": "b"})
+        + "\n"
+    )
+    base = [
+        "run",
+        "--model",
+        "tiny",
+        "--method",
+        "sft",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+        "--set",
+        "max_length=64",
+        "--set",
+        "progress=false",
+    ]
     code, out, err = gcf(*base, "--output-dir", str(tmp_path / "o1"), "--set", "long_prompts=error")
     _one_clear_line(code, out, err)
     assert "Row 0" in err and "max_length" in err
@@ -94,7 +160,9 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-rows = st.dictionaries(st.sampled_from(["prompt", "completion", "messages", "chosen", "rejected", "answer", "x"]), json_values, max_size=5)
+rows = st.dictionaries(
+    st.sampled_from(["prompt", "completion", "messages", "chosen", "rejected", "answer", "x"]), json_values, max_size=5
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -103,12 +171,22 @@ def test_arbitrary_rows_give_a_row_or_a_clear_error(row):
     tok = tiny_tokenizer()
     for kind in ("demonstrations", "prompts", "pairs", "labelled"):
         try:
-            encode(kind, [{"prompt": "ok", "completion": "ok", "chosen": "a", "rejected": "b"}, row], Formatter(tok), 64, method="m")
+            encode(
+                kind,
+                [{"prompt": "ok", "completion": "ok", "chosen": "a", "rejected": "b"}, row],
+                Formatter(tok),
+                64,
+                method="m",
+            )
         except GcfError as e:
-            assert "Row 1" in str(e) or "m cannot train" in str(e) or "none of TRL's formats" in str(e), str(e)  # names the row or the format
+            assert "Row 1" in str(e) or "m cannot train" in str(e) or "none of TRL's formats" in str(e), str(
+                e
+            )  # names the row or the format
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(lines=st.lists(rows, min_size=0, max_size=4), junk=st.booleans())
 @example(lines=[{"prompt": {"\x00": {}}}], junk=False)  # found by hypothesis: datasets failed decoding, not loading
 def test_arbitrary_jsonl_files_load_or_fail_clearly(tmp_path_factory, lines, junk):

@@ -29,8 +29,14 @@ def test_python_api_with_a_lambda_reward_and_an_in_memory_dataset(tmp_path):
         return [0.0] * len(completions)
 
     ds = Dataset.from_list(_prompts())
-    out = gcf.train(method="grpo", model="tiny", dataset=ds, reward=[lambda completions, **kw: [float(len(c)) for c in completions], spy],
-                    output_dir=tmp_path / "run", **SMALL)
+    out = gcf.train(
+        method="grpo",
+        model="tiny",
+        dataset=ds,
+        reward=[lambda completions, **kw: [float(len(c)) for c in completions], spy],
+        output_dir=tmp_path / "run",
+        **SMALL,
+    )
     assert out == (tmp_path / "run").resolve()
     assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
     row = metrics_rows(out)[-1]
@@ -52,16 +58,33 @@ def test_python_api_takes_a_method_class_and_a_model_object(tmp_path):
     model = tiny_model(len(tok))
     before = model.model.embed_tokens.weight.detach().clone()
     rows = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+3=", "completion": "6"}]
-    out = gcf.train(method=HalfSFT, model=(model, tok), dataset=rows, output_dir=tmp_path / "run", max_steps=1, batch_size=2, progress=False)
+    out = gcf.train(
+        method=HalfSFT,
+        model=(model, tok),
+        dataset=rows,
+        output_dir=tmp_path / "run",
+        max_steps=1,
+        batch_size=2,
+        progress=False,
+    )
     assert not torch.equal(before, model.model.embed_tokens.weight)  # the object passed in was trained in place
-    assert json.loads((out / "run_config.json").read_text())["method"].startswith("test_byo:") and "HalfSFT" in json.loads((out / "run_config.json").read_text())["method"]
+    assert (
+        json.loads((out / "run_config.json").read_text())["method"].startswith("test_byo:")
+        and "HalfSFT" in json.loads((out / "run_config.json").read_text())["method"]
+    )
 
 
 def test_python_api_refuses_what_it_cannot_use(tmp_path):
     with pytest.raises(gcf.GcfError, match="not a gcfamily Method"):
         gcf.train(method=dict, model="tiny", output_dir=tmp_path / "a")
     with pytest.raises(gcf.GcfError, match="sft cannot train on unpaired-preference"):
-        gcf.train(method="sft", model="tiny", dataset=[{"prompt": "a", "completion": "b", "label": True}], output_dir=tmp_path / "b", max_steps=1)
+        gcf.train(
+            method="sft",
+            model="tiny",
+            dataset=[{"prompt": "a", "completion": "b", "label": True}],
+            output_dir=tmp_path / "b",
+            max_steps=1,
+        )
     with pytest.raises(gcf.GcfError, match="Unknown setting 'nonsense'"):
         gcf.train(method="sft", model="tiny", output_dir=tmp_path / "c", nonsense=1)
 
@@ -78,8 +101,20 @@ def test_trl_quickstart_and_conversational_rewards_run_unchanged_from_the_cli(gc
     std.write_text("\n".join(json.dumps({"prompt": r["prompt"]}) for r in _prompts()))
     conv.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}]}) for r in _prompts()))
     for data, fn in ((std, "reward_len"), (conv, "conv_len")):
-        code, out, err = gcf_cli("run", "--method", "grpo", "--model", "tiny", "--dataset", str(data), "--reward", f"{rewards}:{fn}",
-                                 "--output-dir", str(tmp_path / fn), *SETS)
+        code, out, err = gcf_cli(
+            "run",
+            "--method",
+            "grpo",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(data),
+            "--reward",
+            f"{rewards}:{fn}",
+            "--output-dir",
+            str(tmp_path / fn),
+            *SETS,
+        )
         assert code == 0, err
         row = metrics_rows(tmp_path / fn)[-1]
         assert row["reward/failed"] == 0.0 and row["reward/mean"] <= 0.0
@@ -89,28 +124,84 @@ def test_eval_on_your_own_data_during_training_and_from_gcf_eval(gcf_cli, tmp_pa
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in _prompts()))
     held.write_text("\n".join(json.dumps(r) for r in _prompts(4)))
-    code, out, err = gcf_cli("run", "--method", "grpo", "--model", "tiny", "--dataset", str(train), "--reward", "numeric", "--eval",
-                             "--set", f"eval_dataset={held}", "--set", "eval_split=train", "--output-dir", str(tmp_path / "run"), *SETS)
+    code, out, err = gcf_cli(
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(train),
+        "--reward",
+        "numeric",
+        "--eval",
+        "--set",
+        f"eval_dataset={held}",
+        "--set",
+        "eval_split=train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *SETS,
+    )
     assert code == 0, err
     evals = [r for r in metrics_rows(tmp_path / "run") if "eval/reward_mean" in r]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/prompts"] == 4 and 0 <= r["eval/accuracy"] <= 1 for r in evals)
-    code, out, err = gcf_cli("eval", "--model", str(tmp_path / "run"), "--dataset", str(held), "--split", "train", "--reward", "numeric",
-                             "--max-new-tokens", "4", "--device", "cpu")
+    assert [r["step"] for r in evals] == [0, 2] and all(
+        r["eval/prompts"] == 4 and 0 <= r["eval/accuracy"] <= 1 for r in evals
+    )
+    code, out, err = gcf_cli(
+        "eval",
+        "--model",
+        str(tmp_path / "run"),
+        "--dataset",
+        str(held),
+        "--split",
+        "train",
+        "--reward",
+        "numeric",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    )
     assert code == 0 and "mean reward" in out and "over 4 prompts" in out, err
 
 
 def test_a_run_on_your_data_never_reports_the_task_accuracy(gcf_cli, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": "2+2=", "completion": "4"}) for _ in range(4)))
-    code, out, err = gcf_cli("run", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--eval", "--output-dir", str(tmp_path / "r"), *SETS)
+    code, out, err = gcf_cli(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(data),
+        "--eval",
+        "--output-dir",
+        str(tmp_path / "r"),
+        *SETS,
+    )
     assert code == 2 and err.startswith("error:") and "eval_dataset" in err and len(err.strip().splitlines()) == 1
 
 
 def test_run_folder_has_loadable_checkpoints_a_card_completions_and_a_summary(gcf_cli, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    code, out, err = gcf_cli("run", "--method", "grpo", "--model", "tiny", "--output-dir", str(tmp_path / "r"), "--set", "save_every=1",
-                             "--set", "log_completions_every=1", *SETS)
+    code, out, err = gcf_cli(
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--output-dir",
+        str(tmp_path / "r"),
+        "--set",
+        "save_every=1",
+        "--set",
+        "log_completions_every=1",
+        *SETS,
+    )
     assert code == 0, err
     assert out.startswith("done: 2 steps in") and "model: " in out and "reward/mean" in out
     ckpt = tmp_path / "r" / "checkpoints" / "step-1"
@@ -119,15 +210,23 @@ def test_run_folder_has_loadable_checkpoints_a_card_completions_and_a_summary(gc
     card = (tmp_path / "r" / "README.md").read_text()
     assert "grpo" in card and "tiny" in card
     samples = [json.loads(x) for x in (tmp_path / "r" / "completions.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [1, 1, 2, 2] and all({"prompt", "completion", "reward"} <= set(s) for s in samples)
+    assert [s["step"] for s in samples] == [1, 1, 2, 2] and all(
+        {"prompt", "completion", "reward"} <= set(s) for s in samples
+    )
 
 
 def test_gcf_data_shows_the_trained_spans(gcf_cli, tmp_path):
     data = tmp_path / "conv.jsonl"
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok?"},
-            {"role": "assistant", "content": "ok"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "ok"},
+    ]
     data.write_text(json.dumps({"messages": msgs}) + "\n")
-    code, out, err = gcf_cli("data", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--set", "system_prompt=Be kind.")
+    code, out, err = gcf_cli(
+        "data", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--set", "system_prompt=Be kind."
+    )
     assert code == 0, err
     assert "conversational; chat_format=auto -> chat" in out and "1 kept, 0 skipped" in out
     assert "<|system|>Be kind.\n<|user|>hi\n<|assistant|>[[yo<eos>]]\n<|user|>ok?\n<|assistant|>[[ok<eos>]]\n" in out

@@ -24,12 +24,37 @@ SFT_INFO = {"name": "sft", "data_source": "fixed demonstrations (prompt, complet
 def grpo_config(out: Path) -> dict:
     """A flat run config as config.to_dict writes it (only the keys the card reads)."""
     return {
-        "method": "grpo", "model": "org/tiny-model", "output_dir": str(out), "task": "arithmetic", "task_options": {},
-        "dataset": None, "dataset_split": "train", "seed": 3, "dtype": "auto", "lr": 5e-05, "batch_size": 4,
-        "max_steps": 2, "lora_r": 8, "group_size": 4, "reward": ["numeric", "my rewards.py:length"],
-        "reward_weights": [1.0, 0.5], "stop_strings": ["\n\n", "Q: it's"], "beta": 0.04, "overwrite": True,
-        "explicit": ["beta", "group_size", "lr", "method", "model", "output_dir", "overwrite", "reward",
-                     "reward_weights", "stop_strings"],
+        "method": "grpo",
+        "model": "org/tiny-model",
+        "output_dir": str(out),
+        "task": "arithmetic",
+        "task_options": {},
+        "dataset": None,
+        "dataset_split": "train",
+        "seed": 3,
+        "dtype": "auto",
+        "lr": 5e-05,
+        "batch_size": 4,
+        "max_steps": 2,
+        "lora_r": 8,
+        "group_size": 4,
+        "reward": ["numeric", "my rewards.py:length"],
+        "reward_weights": [1.0, 0.5],
+        "stop_strings": ["\n\n", "Q: it's"],
+        "beta": 0.04,
+        "overwrite": True,
+        "explicit": [
+            "beta",
+            "group_size",
+            "lr",
+            "method",
+            "model",
+            "output_dir",
+            "overwrite",
+            "reward",
+            "reward_weights",
+            "stop_strings",
+        ],
     }
 
 
@@ -67,24 +92,43 @@ def test_on_policy_card(tmp_path):
     assert "- **Reward:** 1.0 * `numeric` + 0.5 * `my rewards.py:length`" in body
     # settings: the explicit ones (not method/model/output_dir), then the core ones, then lora_r as it is > 0
     settings = body.split("## Settings", 1)[1].split("##", 1)[0]
-    for row in ["| `beta` | `0.04` |", "| `group_size` | `4` |", "| `lr` | `5e-05` |", "| `overwrite` | `true` |",
-                '| `reward` | `["numeric","my rewards.py:length"]` |', "| `reward_weights` | `[1.0,0.5]` |",
-                '| `stop_strings` | `["\\n\\n","Q: it\'s"]` |', "| `batch_size` | `4` |", "| `max_steps` | `2` |",
-                "| `seed` | `3` |", "| `dtype` | `auto` |", "| `lora_r` | `8` |"]:
+    for row in [
+        "| `beta` | `0.04` |",
+        "| `group_size` | `4` |",
+        "| `lr` | `5e-05` |",
+        "| `overwrite` | `true` |",
+        '| `reward` | `["numeric","my rewards.py:length"]` |',
+        "| `reward_weights` | `[1.0,0.5]` |",
+        '| `stop_strings` | `["\\n\\n","Q: it\'s"]` |',
+        "| `batch_size` | `4` |",
+        "| `max_steps` | `2` |",
+        "| `seed` | `3` |",
+        "| `dtype` | `auto` |",
+        "| `lora_r` | `8` |",
+    ]:
         assert row in settings, row
     assert "`output_dir`" not in settings and "`method`" not in settings and "`task_options`" not in settings
     # final metrics: eval first -> last; the last loss 0.123456 to 4 digits; None and NaN as n/a
     final = body.split("## Final metrics", 1)[1].split("##", 1)[0]
-    for row in ["| eval/accuracy (held-out) | 0.5 → 0.75 | 0 → 2 |", "| loss | 0.1235 | 2 |",
-                "| reward/mean | n/a | 2 |", "| grpo/kl | n/a | 2 |", "| steps done | 2 |  |"]:
+    for row in [
+        "| eval/accuracy (held-out) | 0.5 → 0.75 | 0 → 2 |",
+        "| loss | 0.1235 | 2 |",
+        "| reward/mean | n/a | 2 |",
+        "| grpo/kl | n/a | 2 |",
+        "| steps done | 2 |  |",
+    ]:
         assert row in final, row
     assert "from_pretrained" in body and "PeftModel" not in body  # no adapter_config.json in the folder
     argv = reproduce(text)
     assert argv[:6] == ["gcf", "run", "--method", "grpo", "--model", "org/tiny-model"]
     sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
     assert parse_sets(tuple(sets)) == {
-        "beta": "0.04", "group_size": "4", "lr": "5e-05", "overwrite": "true",
-        "reward": '["numeric","my rewards.py:length"]', "reward_weights": "[1.0,0.5]",
+        "beta": "0.04",
+        "group_size": "4",
+        "lr": "5e-05",
+        "overwrite": "true",
+        "reward": '["numeric","my rewards.py:length"]',
+        "reward_weights": "[1.0,0.5]",
         "stop_strings": '["\\n\\n","Q: it\'s"]',
     }
 
@@ -101,10 +145,22 @@ def test_reproduce_command_resolves_to_the_same_settings(tmp_path):
 
 def test_sft_card(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
-    cfg = {"method": "sft", "model": "smollm2-135m", "task": None, "dataset": "data/train.jsonl",
-           "dataset_config": "main", "dataset_split": "train[:90%]", "lr": 1e-05, "batch_size": 8, "max_steps": 6,
-           "seed": 0, "dtype": "float32", "lora_r": 0, "max_length": 256,
-           "explicit": ["dataset", "max_length", "method"]}
+    cfg = {
+        "method": "sft",
+        "model": "smollm2-135m",
+        "task": None,
+        "dataset": "data/train.jsonl",
+        "dataset_config": "main",
+        "dataset_split": "train[:90%]",
+        "lr": 1e-05,
+        "batch_size": 8,
+        "max_steps": 6,
+        "seed": 0,
+        "dtype": "float32",
+        "lora_r": 0,
+        "max_length": 256,
+        "explicit": ["dataset", "max_length", "method"],
+    }
     metrics = [{"step": 1, "loss": 2.5}, "not a row", {"loss": "odd"}, {"step": 6, "loss": None}]
     text = write_model_card(tmp_path, cfg, metrics, "smollm2-135m", SFT_INFO).read_text()
     front, body = parts(text)
@@ -116,8 +172,18 @@ def test_sft_card(tmp_path):
     assert "| loss | n/a | 6 |" in body and "| steps done | 6 |  |" in body
     assert "PeftModel.from_pretrained(base, " in body
     assert "eval/" not in body and "reward/mean" not in body
-    assert reproduce(text) == ["gcf", "run", "--method", "sft", "--model", "smollm2-135m",
-                               "--set", "dataset=data/train.jsonl", "--set", "max_length=256"]
+    assert reproduce(text) == [
+        "gcf",
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "smollm2-135m",
+        "--set",
+        "dataset=data/train.jsonl",
+        "--set",
+        "max_length=256",
+    ]
 
 
 def test_no_metrics_and_a_local_folder(tmp_path, monkeypatch):

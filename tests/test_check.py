@@ -13,12 +13,12 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gspo.py"
 
 # GSPO's coefficient with the clip removed: s_i * A_i on every token, plus GRPO's KL part (its coefficient at A = 0)
-NO_CLIP_COEFFICIENT = '''
+NO_CLIP_COEFFICIENT = """
     def coefficient(self, batch, logps):
         s, g = self.importance_ratio(batch, logps)
         kl_part = super().coefficient({**batch, "advantages": torch.zeros_like(batch["advantages"])}, logps)
         return kl_part + g * self.token_advantages(batch) * batch["loss_mask"]
-'''
+"""
 
 
 def _gspo_copy(tmp_path: Path, objective_clipped: bool = True) -> str:
@@ -34,9 +34,21 @@ def _gspo_copy(tmp_path: Path, objective_clipped: bool = True) -> str:
 def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
     code, out, err = gcf("check", "grpo")
     assert code == 0, out + err
-    for line in ("family: on-policy groups", "case defaults (its defaults): ok", "case clip and KL", "(a) engine vs textbook",
-                 "(a) engine vs own objective", "(b) d loss/d logits vs textbook", "tokens clipped low", "tokens clipped high",
-                 "KL past the clamp", "equal-reward groups", "failed rewards", "micro-batches", "passed: 6 of 6 cases"):
+    for line in (
+        "family: on-policy groups",
+        "case defaults (its defaults): ok",
+        "case clip and KL",
+        "(a) engine vs textbook",
+        "(a) engine vs own objective",
+        "(b) d loss/d logits vs textbook",
+        "tokens clipped low",
+        "tokens clipped high",
+        "KL past the clamp",
+        "equal-reward groups",
+        "failed rewards",
+        "micro-batches",
+        "passed: 6 of 6 cases",
+    ):
         assert line in out, line
     assert "FAILED" not in out
 
@@ -65,7 +77,9 @@ def test_gspo_without_the_clip_anywhere_fails_against_the_textbook_only(gcf, tmp
 
 
 def test_set_adds_a_case_typed_by_the_methods_settings(gcf) -> None:
-    code, out, _ = gcf("check", "dapo", "--set", "mu=3", "--set", "norm_constant=2", "--set", "loss_norm=constant", "--seeds", "1")
+    code, out, _ = gcf(
+        "check", "dapo", "--set", "mu=3", "--set", "norm_constant=2", "--set", "loss_norm=constant", "--seeds", "1"
+    )
     assert code == 0, out
     assert "case given {'mu': 3, 'norm_constant': 2.0, 'loss_norm': 'constant'}: ok" in out
     assert "tokens in the band between eps and eps_high" in out
@@ -78,27 +92,36 @@ def test_a_method_that_trains_no_policy_passes(gcf) -> None:
 
 def test_a_hook_the_textbook_does_not_know_is_named(gcf, tmp_path) -> None:
     path = tmp_path / "own.py"
-    path.write_text("import torch\nfrom gcfamily.methods.grpo import GRPO\n\n\nclass Mine(GRPO):\n    name = 'mine'\n\n"
-                    "    def group_advantages(self, rewards, valid):\n        return torch.where(valid, rewards, 0.0)\n")
+    path.write_text(
+        "import torch\nfrom gcfamily.methods.grpo import GRPO\n\n\nclass Mine(GRPO):\n    name = 'mine'\n\n"
+        "    def group_advantages(self, rewards, valid):\n        return torch.where(valid, rewards, 0.0)\n"
+    )
     code, out, _ = gcf("check", f"{path}:Mine")
     assert code == 0, out
-    assert "textbook: none: Mine.group_advantages is its own" in out and "(against the method's own objective only)" in out
+    assert (
+        "textbook: none: Mine.group_advantages is its own" in out and "(against the method's own objective only)" in out
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nope"], "Unknown method 'nope'"),
-    (["gcfamily.config:Config"], "not a subclass of gcfamily.methods.base.Method"),
-    (["grpo", "--set", "mu=abc"], "mu='abc' has the wrong type"),
-    (["grpo", "--set", "foo=1"], "Unknown setting 'foo'"),
-    (["grpo", "--set", "epsilon=2"], "epsilon must be in (0, 1)"),
-    (["grpo", "--set", "group_size=8"], "leave group_size out"),
-    (["NOFAMILY"], "belongs to no data family the check can build a batch for"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope"], "Unknown method 'nope'"),
+        (["gcfamily.config:Config"], "not a subclass of gcfamily.methods.base.Method"),
+        (["grpo", "--set", "mu=abc"], "mu='abc' has the wrong type"),
+        (["grpo", "--set", "foo=1"], "Unknown setting 'foo'"),
+        (["grpo", "--set", "epsilon=2"], "epsilon must be in (0, 1)"),
+        (["grpo", "--set", "group_size=8"], "leave group_size out"),
+        (["NOFAMILY"], "belongs to no data family the check can build a batch for"),
+    ],
+)
 def test_bad_input_is_one_error_line_and_exit_2(gcf, tmp_path, args: list[str], message: str) -> None:
     if args == ["NOFAMILY"]:
         path = tmp_path / "bare.py"
-        path.write_text("import torch\nfrom gcfamily.methods.base import Method\n\n\nclass Bare(Method):\n    name = 'bare'\n\n"
-                        "    def coefficient(self, batch, logps):\n        return torch.ones_like(logps)\n")
+        path.write_text(
+            "import torch\nfrom gcfamily.methods.base import Method\n\n\nclass Bare(Method):\n    name = 'bare'\n\n"
+            "    def coefficient(self, batch, logps):\n        return torch.ones_like(logps)\n"
+        )
         args = [f"{path}:Bare"]
     code, out, err = gcf("check", *args)
     assert code == 2 and out == ""

@@ -10,12 +10,36 @@ from conftest import metrics_rows
 
 def test_sft_tiny_run_leaves_model_metrics_and_events(gcf, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = gcf("run", "--method", "sft", "--model", "tiny", "--task", "arithmetic", "--max-steps", "3",
-                               "--output-dir", str(out), "--set", "lr=1e-3", "--set", "progress=false")
+    code, stdout, stderr = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--task",
+        "arithmetic",
+        "--max-steps",
+        "3",
+        "--output-dir",
+        str(out),
+        "--set",
+        "lr=1e-3",
+        "--set",
+        "progress=false",
+    )
     assert code == 0, stderr
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("loss", "gc/mean", "gc/abs_mean", "gc/zero_frac", "grad_norm", "lr", "train_tokens_per_s", "peak_memory_mb"):
+    for key in (
+        "loss",
+        "gc/mean",
+        "gc/abs_mean",
+        "gc/zero_frac",
+        "grad_norm",
+        "lr",
+        "train_tokens_per_s",
+        "peak_memory_mb",
+    ):
         assert key in rows[0], key
     assert rows[0]["gc/mean"] == 1.0 and rows[0]["gc/zero_frac"] == 0.0  # SFT: GC = 1 on every loss token
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -29,8 +53,23 @@ def test_sft_tiny_run_leaves_model_metrics_and_events(gcf, tmp_path):
 
 def test_sft_loss_falls_on_tiny(gcf, tmp_path):
     out = tmp_path / "run"
-    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "30", "--output-dir", str(out),
-                       "--set", "lr=3e-3", "--set", "progress=false", "--set", "batch_size=16")
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "30",
+        "--output-dir",
+        str(out),
+        "--set",
+        "lr=3e-3",
+        "--set",
+        "progress=false",
+        "--set",
+        "batch_size=16",
+    )
     assert code == 0, err
     losses = [r["loss"] for r in metrics_rows(out)]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
@@ -70,23 +109,62 @@ def test_bad_input_is_one_clear_line(gcf, tmp_path, args, needle):
 def test_dataset_with_missing_column_names_the_row(gcf, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c", "answer": "d"}\n')
-    code, _, stderr = gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--max-steps", "1",
-                          "--output-dir", str(tmp_path / "o"))
+    code, _, stderr = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert code != 0 and stderr.startswith("error: Row 1 has a missing or empty 'completion'"), stderr
 
 
 def test_local_dataset_and_messages_rows_train(gcf, tmp_path):
     data = tmp_path / "d.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": str(i + 1)}]} for i in range(6)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": str(i + 1)}]}
+        for i in range(6)
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--max-steps", "2",
-                       "--output-dir", str(tmp_path / "o"), "--set", "progress=false")
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--set",
+        "progress=false",
+    )
     assert code == 0, err
 
 
 def test_output_dir_with_another_run_is_refused(gcf, tmp_path):
     out = tmp_path / "run"
-    args = ["run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out), "--set", "progress=false"]
+    args = [
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(out),
+        "--set",
+        "progress=false",
+    ]
     assert gcf(*args)[0] == 0
     code, _, stderr = gcf(*args)
     assert code != 0 and "holds another run" in stderr

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gcfamily.methods import resolve
-from gcfamily.config.checks import validate
+from gcfamily.config import validate
 from gcfamily.methods import get_method
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

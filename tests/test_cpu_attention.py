@@ -21,7 +21,9 @@ def _oracle(q, k, v, allowed, scale):
                 keys = [j for j in range(k.shape[2]) if allowed[b, h, i, j]]
                 if not keys:
                     continue  # nothing to attend: what the output is there is not specified (checked finite apart)
-                s = torch.tensor([float(q[b, h, i].double() @ k[b, h // g, j].double()) * scale for j in keys], dtype=torch.float64)
+                s = torch.tensor(
+                    [float(q[b, h, i].double() @ k[b, h // g, j].double()) * scale for j in keys], dtype=torch.float64
+                )
                 p = torch.softmax(s, 0)
                 out[b, i, h] = sum(p[n] * v[b, h // g, j].double() for n, j in enumerate(keys))
     return out
@@ -34,8 +36,10 @@ class _Attn(torch.nn.Module):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("H,Hk,Q,mask_heads,batch_one", [(6, 2, 1, 1, False), (6, 2, 5, 1, False), (4, 4, 5, 1, False),
-                                                         (6, 3, 4, 6, False), (6, 2, 3, 1, True)])
+@pytest.mark.parametrize(
+    "H,Hk,Q,mask_heads,batch_one",
+    [(6, 2, 1, 1, False), (6, 2, 5, 1, False), (4, 4, 5, 1, False), (6, 3, 4, 6, False), (6, 2, 3, 1, True)],
+)
 def test_equals_sdpa_and_a_loop_oracle(H, Hk, Q, mask_heads, batch_one):
     torch.manual_seed(H * 100 + Hk * 10 + Q)
     B, S, D, Dv = 3, 9, 8, 8
@@ -61,7 +65,9 @@ def test_one_query_without_a_mask_attends_every_key():
     got, _ = attention(_Attn(3), q, k, v, None)
     ref, _ = cpu_attention.sdpa_attention_forward(_Attn(3), q, k, v, None)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.double(), _oracle(q, k, v, torch.ones(4, 6, 1, 7, dtype=torch.bool), 8**-0.5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double(), _oracle(q, k, v, torch.ones(4, 6, 1, 7, dtype=torch.bool), 8**-0.5), rtol=1e-5, atol=1e-5
+    )
     assert cpu_attention._plain(q, k, None, 0.0, {})
 
 
@@ -96,7 +102,9 @@ def test_calls_it_cannot_take_go_to_sdpa(monkeypatch):
         assert attention(m, q, two, two, mask)[0] == "sdpa"
         Q = cpu_attention.MAX_QUERIES + 1  # a long prefill: SDPA's kernel is faster there
         long = torch.ones(1, 1, Q, Q, dtype=torch.bool).tril()
-        assert attention(m, torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), long)[0] == "sdpa"
+        assert (
+            attention(m, torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), torch.randn(1, 2, Q, 4), long)[0] == "sdpa"
+        )
     q.requires_grad_(True)
     assert attention(m, q, k, v, mask)[0] == "sdpa"  # training keeps SDPA's backward
     assert len(calls) == 9
@@ -104,8 +112,15 @@ def test_calls_it_cannot_take_go_to_sdpa(monkeypatch):
 
 def _qwen2():
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                      num_key_value_heads=2, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -119,14 +134,36 @@ def test_switch_is_scoped_restored_after_an_error_and_only_without_gradients():
     assert model.config._attn_implementation == "sdpa"
     with rollout_attention(model) as on:  # gradients on
         assert not on and model.config._attn_implementation == "sdpa"
-    eager = Gemma2ForCausalLM(Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, head_dim=8, attn_implementation="eager"))
+    eager = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            attn_implementation="eager",
+        )
+    )
     with torch.no_grad(), rollout_attention(eager) as on:  # only SDPA is replaced
         assert not on and eager.config._attn_implementation == "eager"
-    falcon = FalconForCausalLM(FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                            new_decoder_architecture=True, num_kv_heads=2, alibi=False)).eval()
+    falcon = FalconForCausalLM(
+        FalconConfig(
+            vocab_size=96,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            alibi=False,
+        )
+    ).eval()
     assert falcon.config._attn_implementation == "sdpa"
-    with torch.no_grad(), rollout_attention(falcon) as on:  # its forward branches on the name "sdpa": a family not checked keeps it
+    with (
+        torch.no_grad(),
+        rollout_attention(falcon) as on,
+    ):  # its forward branches on the name "sdpa": a family not checked keeps it
         assert not on and falcon.config._attn_implementation == "sdpa"
 
 

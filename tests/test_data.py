@@ -43,8 +43,12 @@ def test_epoch_indices_cover_each_epoch_once_and_are_deterministic():
 
 
 def test_split_batch_keeps_pairs_and_trims_padding():
-    b = {"input_ids": torch.arange(24).view(6, 4), "attention_mask": torch.tensor([[0, 1, 1, 0]] * 6),
-         "loss_mask": torch.tensor([[0, 0, 1, 0]] * 6), "names": list("abcdef")}
+    b = {
+        "input_ids": torch.arange(24).view(6, 4),
+        "attention_mask": torch.tensor([[0, 1, 1, 0]] * 6),
+        "loss_mask": torch.tensor([[0, 0, 1, 0]] * 6),
+        "names": list("abcdef"),
+    }
     parts = split_batch(b, 3, rows_per_example=2)  # 3 rounds down to whole pairs
     assert [p["input_ids"].shape for p in parts] == [torch.Size([2, 2])] * 3
     assert parts[1]["names"] == ["c", "d"] and parts[0]["input_ids"][0].tolist() == [1, 2]

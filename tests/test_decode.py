@@ -18,8 +18,17 @@ from test_rollout import EOS, PAD, assert_greedy_equals_hf, tokenizer  # noqa: F
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).eval()
 
@@ -67,16 +76,32 @@ def test_sampled_compiled_equals_eager_for_the_same_seed(model, tokenizer, promp
 def test_compiled_sampling_draws_from_the_models_distribution(tokenizer):
     # A one-token vocabulary of 6 after a fixed prompt: the first sampled token's frequencies against softmax.
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=6,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     cfg._attn_implementation = "sdpa"
     small = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         small.lm_head.weight.mul_(8)  # a peaked distribution, but no token rarer than 1e-3
     prompt = [[2, 3, 4]]
     n = 2048
-    ro = generate(small, tokenizer, prompt, n, SamplingSettings(max_new_tokens=2, compile="on"),
-                  torch.Generator().manual_seed(0), [EOS])
+    ro = generate(
+        small,
+        tokenizer,
+        prompt,
+        n,
+        SamplingSettings(max_new_tokens=2, compile="on"),
+        torch.Generator().manual_seed(0),
+        [EOS],
+    )
     P = 3
     with torch.no_grad():
         p = torch.softmax(small(input_ids=torch.tensor(prompt)).logits[0, -1], -1)
@@ -116,18 +141,46 @@ def test_gpu_step_script_runs_on_the_cpu_without_datasets_or_gguf(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu_step.json"
-    args = ["--device", "cpu", "--model", "tiny", "--new-tokens", "8", "--steps", "2", "--reps", "1", "--json", str(out), "--lora", "4",
-            "--lora-models", "tiny"]
-    r = subprocess.run([sys.executable, "-c", BLOCK, *args], cwd=root, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    args = [
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--new-tokens",
+        "8",
+        "--steps",
+        "2",
+        "--reps",
+        "1",
+        "--json",
+        str(out),
+        "--lora",
+        "4",
+        "--lora-models",
+        "tiny",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCK, *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [(x["mode"], x["lora_r"]) for x in data["results"]] == [("off", 0), ("on", 0), ("on", 4)]  # the last: LoRA against full
+    assert [(x["mode"], x["lora_r"]) for x in data["results"]] == [
+        ("off", 0),
+        ("on", 0),
+        ("on", 4),
+    ]  # the last: LoRA against full
     for x in data["results"]:
         assert x["decode_generated_tokens_per_s"] > 0 and x["step_s"] > 0 and x["train_tokens_per_s"] > 0
     assert "compiled / eager" in r.stdout and "LoRA r=4" in r.stdout
     full, lora = data["results"][1], data["results"][2]
-    assert full["trained_params"] == full["params"] and 0 < lora["trained_params"] < lora["params"] / 10  # LoRA's rate counts no frozen weight gradients
+    assert (
+        full["trained_params"] == full["params"] and 0 < lora["trained_params"] < lora["params"] / 10
+    )  # LoRA's rate counts no frozen weight gradients
 
 
 def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
@@ -136,8 +189,17 @@ def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
     import weakref
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     cfg._attn_implementation = "sdpa"
     m = LlamaForCausalLM(cfg).eval()
     run(m, tokenizer, prompts, "on", G=2)
@@ -148,12 +210,17 @@ def test_a_model_is_freed_after_compiled_rollouts(tokenizer, prompts):
     assert ref() is None
 
 
-def test_a_compile_failure_is_one_sentence_under_on_and_eager_decoding_under_auto(model, tokenizer, prompts, monkeypatch, capsys):
+def test_a_compile_failure_is_one_sentence_under_on_and_eager_decoding_under_auto(
+    model, tokenizer, prompts, monkeypatch, capsys
+):
     def broken(self, *a, **k):
         raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
 
     monkeypatch.setattr(decode.StaticDecoder, "step", broken)
-    with pytest.raises(GcfError, match="rollout_compile=on, but compiling the decode step failed .*no C.. compiler found.*rollout_compile=off"):
+    with pytest.raises(
+        GcfError,
+        match="rollout_compile=on, but compiling the decode step failed .*no C.. compiler found.*rollout_compile=off",
+    ):
         run(model, tokenizer, prompts, "on", G=2)
     with pytest.raises(ValueError):  # any other error is not swallowed
         monkeypatch.setattr(decode.StaticDecoder, "step", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
@@ -167,7 +234,10 @@ def test_a_compile_failure_is_one_sentence_under_on_and_eager_decoding_under_aut
 
 def test_compiled_decoding_after_a_shared_prefix_prefill(model, tokenizer):
     # The slots hold the prefix once-computed then each prompt's rest left-padded: same tokens as the eager rollout.
-    shared = [tokenizer(p)["input_ids"] for p in ["you are terse. q: what is 2+3?", "you are terse. q: hi", "you are terse. q: 12*4="]]
+    shared = [
+        tokenizer(p)["input_ids"]
+        for p in ["you are terse. q: what is 2+3?", "you are terse. q: hi", "you are terse. q: 12*4="]
+    ]
     a = run(model, tokenizer, shared, "off", G=4, eos=(EOS, 5, 9), temperature=0.8)
     b = run(model, tokenizer, shared, "on", G=4, eos=(EOS, 5, 9), temperature=0.8)
     assert torch.equal(a.input_ids, b.input_ids)

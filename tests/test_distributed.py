@@ -34,7 +34,9 @@ ATOL = 1e-5
 
 
 def _cfg(out: Path, strategy: str = "ddp", **kw) -> Config:
-    base = dict(model="tiny", task="arithmetic", lr=1e-3, output_dir=str(out), progress=False, strategy=strategy, device="cpu")
+    base = dict(
+        model="tiny", task="arithmetic", lr=1e-3, output_dir=str(out), progress=False, strategy=strategy, device="cpu"
+    )
     return Config(**{**base, **kw})
 
 
@@ -46,10 +48,14 @@ def fixed_grpo_batch(tokenizer) -> dict:
     for i in range(PROMPTS):
         prompt = torch.randint(7, V, (3 + i,), generator=gen).tolist()
         for _ in range(G):
-            rows.append((prompt, torch.randint(7, V, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()))
+            rows.append(
+                (prompt, torch.randint(7, V, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist())
+            )
     batch = collate(rows, tokenizer.pad_token_id)
     rewards = torch.tensor([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5, 0, 0.25, 1, 0.75, 1, 1, 0, 0.5])  # group 2 has std 0
-    batch.update(rewards=rewards, valid=torch.ones(len(rows), dtype=torch.bool), prompt_index=torch.arange(len(rows)) // G)
+    batch.update(
+        rewards=rewards, valid=torch.ones(len(rows), dtype=torch.bool), prompt_index=torch.arange(len(rows)) // G
+    )
     return batch
 
 
@@ -62,7 +68,17 @@ WORKER_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKE
 
 def _torchrun(out: Path, *mode: str) -> list[str]:
     """This file under torchrun in 2 processes: `_worker` (no mode) or the named scenario."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out), *mode]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        str(out),
+        *mode,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +111,9 @@ def test_sft_two_processes_equal_one(two_process, tmp_path, strategy):
     two = two_process / f"sft-{strategy}"
     _assert_same(ref, load_file(str(two / "model.safetensors")))  # rank 0's save_pretrained of the gathered model
     _assert_same(ref, load_file(str(two / "checkpoints" / "step-2" / "model.safetensors")))
-    _assert_same(ref, load_file(str(two_process / f"sft-{strategy}-resumed" / "model.safetensors")))  # 1 step + resume + 1 step
+    _assert_same(
+        ref, load_file(str(two_process / f"sft-{strategy}-resumed" / "model.safetensors"))
+    )  # 1 step + resume + 1 step
     # rank 0 logs one row per step for the group: the loss and tokens of the whole global batch, and
     # the same gradient norm (Adam would hide a wrong gradient scale in the weights; the norm does not)
     for a, b in zip(_metrics(tmp_path / "one"), _metrics(two), strict=True):
@@ -126,8 +144,10 @@ def test_ppo_two_processes_equal_one_and_fsdp2_shards_the_critic(two_process, tm
     one = Trainer(_cfg(tmp_path, **PPO))
     first = one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer))[0])
     one.train_step(one.method.prepare(fixed_grpo_batch(one.tokenizer))[0])
-    ref = {**{k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()},
-           **{f"critic.{k}": v.detach() for k, v in one.method.critic.state_dict().items()}}
+    ref = {
+        **{k: v.detach() for k, v in one.unwrapped_policy().state_dict().items()},
+        **{f"critic.{k}": v.detach() for k, v in one.method.critic.state_dict().items()},
+    }
     _assert_same(ref, load_file(str(two_process / f"ppo-{strategy}.safetensors")))
     _assert_same(ref, load_file(str(two_process / f"ppo-{strategy}-resumed.safetensors")))
     two = json.loads((two_process / f"ppo-{strategy}.json").read_text())  # rank 0's first step, its own figures
@@ -141,9 +161,29 @@ def test_cli_grpo_fsdp2_writes_a_plain_transformers_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "grpo", "--model", "tiny", "--nproc", "2", "--strategy", "fsdp2",
-           "--max-steps", "2", "--output-dir", str(out), "--set", "progress=false"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--strategy",
+        "fsdp2",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        "--set",
+        "progress=false",
+    ]
+    res = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "done: 2 steps on 2 processes (fsdp2)" in res.stdout
     model = AutoModelForCausalLM.from_pretrained(out)  # no torch.distributed involved
@@ -156,9 +196,33 @@ def test_token_budget_counts_every_rank_and_stops_all_at_one_step(tmp_path):
     """max_tokens counts the tokens of all ranks (the logged budget/tokens is their sum), and every
     rank stops after the same step: a rank that stopped alone would leave the others waiting."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--strategy", "ddp",
-           "--max-steps", "50", "--output-dir", str(out), "--set", "progress=false", "--set", "max_tokens=60", "--set", "batch_size=4"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        "50",
+        "--output-dir",
+        str(out),
+        "--set",
+        "progress=false",
+        "--set",
+        "max_tokens=60",
+        "--set",
+        "batch_size=4",
+    ]
+    res = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [r for r in _metrics(out) if "budget/tokens" in r]
     total = 0.0
@@ -170,7 +234,19 @@ def test_token_budget_counts_every_rank_and_stops_all_at_one_step(tmp_path):
 
 
 def test_cli_user_error_is_one_line_before_any_process_starts(gcf, tmp_path):
-    code, out, err = gcf("run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--output-dir", str(tmp_path), "--set", "batch_size=3")
+    code, out, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--set",
+        "batch_size=3",
+    )
     assert code == 2 and "batch_size=3" in err and "multiple of 2" in err and "Traceback" not in err
 
 
@@ -180,11 +256,39 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_a_checkpoint(tmp_path):
     import time
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--nproc", "2", "--strategy", "ddp",
-           "--max-steps", "100000", "--output-dir", str(out), "--set", "progress=false"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        "100000",
+        "--output-dir",
+        str(out),
+        "--set",
+        "progress=false",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     deadline = time.monotonic() + 300
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()) and time.monotonic() < deadline:
+    while (
+        not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip())
+        and time.monotonic() < deadline
+    ):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
@@ -198,7 +302,15 @@ def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
     """A signal that lands on one rank between the stop agreement and the stop check must not make
     that rank alone save and leave (the other would wait in the next step's collective forever)."""
     out = tmp_path / "late-signal"
-    proc = subprocess.Popen(_torchrun(out, "late-signal"), env=WORKER_ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _torchrun(out, "late-signal"),
+        env=WORKER_ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -214,9 +326,18 @@ def test_a_signal_after_the_ranks_agreed_waits_for_the_next_step(tmp_path):
 
 def test_a_rank_that_loses_its_peer_says_so_in_one_line(tmp_path):
     """Rank 0 is killed mid-run: rank 1's failed collective is one line, not a traceback."""
-    res = subprocess.run(_torchrun(tmp_path / "run", "rank-0-dies"), env=WORKER_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        _torchrun(tmp_path / "run", "rank-0-dies"),
+        env=WORKER_ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
-    assert "error: process 1 lost its connection to another process, which stopped first" in res.stderr, res.stderr[-6000:]
+    assert "error: process 1 lost its connection to another process, which stopped first" in res.stderr, res.stderr[
+        -6000:
+    ]
     assert "RuntimeError" not in res.stderr, res.stderr[-6000:]
 
 
@@ -274,7 +395,19 @@ def test_fsdp2_bf16_mixed_precision_on_one_gpu(tmp_path):
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=dev)
     env = DistEnv(0, 1, 0, dev)
     try:
-        tr = Trainer(_cfg(tmp_path, "fsdp2", device="cuda", method="grpo", batch_size=2, group_size=4, max_new_tokens=8, max_steps=2), dist_env=env)
+        tr = Trainer(
+            _cfg(
+                tmp_path,
+                "fsdp2",
+                device="cuda",
+                method="grpo",
+                batch_size=2,
+                group_size=4,
+                max_new_tokens=8,
+                max_steps=2,
+            ),
+            dist_env=env,
+        )
         assert env.compute_dtype == torch.bfloat16 and tr.dtype == torch.bfloat16
         assert all(p.dtype == torch.float32 for p in tr.policy.parameters())  # the shards the optimizer steps
         tr.run()
@@ -301,7 +434,11 @@ def _worker(out: Path) -> None:
     try:
         for strategy in STRATEGIES:
             Trainer(_cfg(out / f"sft-{strategy}", strategy, **SFT), dist_env=env).run()
-            resumed = Trainer(_cfg(out / f"sft-{strategy}-resumed", strategy, **SFT), resume=str(out / f"sft-{strategy}" / "checkpoints" / "step-1"), dist_env=env)
+            resumed = Trainer(
+                _cfg(out / f"sft-{strategy}-resumed", strategy, **SFT),
+                resume=str(out / f"sft-{strategy}" / "checkpoints" / "step-1"),
+                dist_env=env,
+            )
             assert resumed.step == 1
             resumed.run()
 
@@ -329,7 +466,10 @@ def _ppo_worker(out: Path, strategy: str, env) -> None:
         return select(batch, slice(env.rank * per, (env.rank + 1) * per))
 
     def weights(tr) -> dict:
-        return {**env.full_state_dict(tr.unwrapped_policy()), **{f"critic.{k}": v for k, v in env.full_state_dict(tr.method.critic).items()}}
+        return {
+            **env.full_state_dict(tr.unwrapped_policy()),
+            **{f"critic.{k}": v for k, v in env.full_state_dict(tr.method.critic).items()},
+        }
 
     tr = Trainer(_cfg(out / f"ppo-{strategy}", strategy, **PPO), dist_env=env)
     first = tr.train_step(tr.method.prepare(share(tr))[0])
@@ -337,7 +477,11 @@ def _ppo_worker(out: Path, strategy: str, env) -> None:
     tr.save_checkpoint()
     tr.train_step(tr.method.prepare(share(tr))[0])
     two_steps = weights(tr)
-    resumed = Trainer(_cfg(out / f"ppo-{strategy}-resumed", strategy, **PPO), resume=str(out / f"ppo-{strategy}" / "checkpoints" / "step-1"), dist_env=env)
+    resumed = Trainer(
+        _cfg(out / f"ppo-{strategy}-resumed", strategy, **PPO),
+        resume=str(out / f"ppo-{strategy}" / "checkpoints" / "step-1"),
+        dist_env=env,
+    )
     resumed.train_step(resumed.method.prepare(share(resumed))[0])
     again = weights(resumed)
     if env.is_main:

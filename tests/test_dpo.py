@@ -48,17 +48,17 @@ def _textbook_loss(name, cfg, logps, batch):
     ref = (batch["ref_logps"] * mask).sum(-1)
     pi_w, pi_l, ref_w, ref_l = pi[0::2], pi[1::2], ref[0::2], ref[1::2]
     d = (pi_w - ref_w) - (pi_l - ref_l)  # log-ratio gap
-    b = cfg.beta
+    b = cfg.settings.beta
     if name == "dpo":  # Rafailov et al. 2023, eq. 7
         loss = -F.logsigmoid(b * d)
     elif name == "cdpo":  # Mitchell 2023, eq. 3
-        eps = cfg.label_smoothing
+        eps = cfg.settings.label_smoothing
         loss = -(1 - eps) * F.logsigmoid(b * d) - eps * F.logsigmoid(-b * d)
     elif name == "ipo":  # Azar et al. 2023, eq. 17
         loss = (d - 1 / (2 * b)) ** 2
     elif name == "simpo":  # Meng et al. 2024, eq. 6
         n = mask.sum(-1)
-        loss = -F.logsigmoid(b * pi_w / n[0::2] - b * pi_l / n[1::2] - cfg.simpo_gamma)
+        loss = -F.logsigmoid(b * pi_w / n[0::2] - b * pi_l / n[1::2] - cfg.settings.simpo_gamma)
     return loss.mean()
 
 
@@ -73,12 +73,22 @@ def _pair_batch(P=5, L=12, seed=0):
     loss_mask = attention_mask * (pos >= prompt_len[:, None]).long()  # [B, L]
     ref = -3 * torch.rand(B, L, generator=g, dtype=torch.float64) * loss_mask  # [B, L]
     logps = (ref + torch.randn(B, L, generator=g, dtype=torch.float64)).clamp(max=0) * loss_mask
-    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": attention_mask, "loss_mask": loss_mask,
-             "ref_logps": ref, "example_weight": torch.full((B,), 0.5)}
+    batch = {
+        "input_ids": torch.zeros(B, L, dtype=torch.long),
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "ref_logps": ref,
+        "example_weight": torch.full((B,), 0.5),
+    }
     return batch, logps.requires_grad_()
 
 
-SETTINGS = {"dpo": {"beta": 0.3}, "ipo": {"beta": 0.3}, "cdpo": {"beta": 0.3, "label_smoothing": 0.2}, "simpo": {"beta": 2.0, "simpo_gamma": 0.7}}
+SETTINGS = {
+    "dpo": {"beta": 0.3},
+    "ipo": {"beta": 0.3},
+    "cdpo": {"beta": 0.3, "label_smoothing": 0.2},
+    "simpo": {"beta": 2.0, "simpo_gamma": 0.7},
+}
 
 
 @pytest.mark.parametrize("name", PREFERENCE_METHODS)
@@ -105,8 +115,13 @@ def _hand_batch(chosen, rejected, ref_chosen=None, ref_rejected=None):
     logps = torch.tensor([[0.0, *chosen, 0.0], [0.0, *rejected]], dtype=torch.float64)
     ref = torch.tensor([[0.0, *(ref_chosen or chosen), 0.0], [0.0, *(ref_rejected or rejected)]], dtype=torch.float64)
     loss_mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
-    return {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
-            "loss_mask": loss_mask, "ref_logps": ref, "example_weight": torch.full((2,), 0.5)}, logps
+    return {
+        "input_ids": torch.zeros(2, 4, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+        "loss_mask": loss_mask,
+        "ref_logps": ref,
+        "example_weight": torch.full((2,), 0.5),
+    }, logps
 
 
 L3 = math.log(3)
@@ -167,7 +182,9 @@ def test_preference_rows_from_tasks():
         assert rows == preference_rows(task, n, seed=3)
         assert len(rows) >= 0.9 * len(task.rows("train", n))
         src = {r["prompt"]: r for r in task.rows("train", n)}
-        extra = {k: [src[r["prompt"]][k] for r in rows] for k in src[rows[0]["prompt"]] if k not in ("prompt", "completion")}
+        extra = {
+            k: [src[r["prompt"]][k] for r in rows] for k in src[rows[0]["prompt"]] if k not in ("prompt", "completion")
+        }
         prompts = [r["prompt"] for r in rows]
         assert task.reward(prompts, [r["chosen"] for r in rows], **extra) == [1.0] * len(rows)
         assert task.reward(prompts, [r["rejected"] for r in rows], **extra) == [0.0] * len(rows)
@@ -177,12 +194,18 @@ def test_preference_rows_from_tasks():
 
 
 def test_implicit_prompt_is_split():
-    row = {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-           "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]}
+    row = {
+        "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}],
+    }
     out = normalize(row, "preference", 0)
     assert out["prompt"] == [{"role": "user", "content": "2+2?"}]
     assert out["chosen"] == [{"role": "assistant", "content": "4"}] and out["rejected"][0]["content"] == "5"
-    assert normalize({"prompt": "q", "chosen": "a", "rejected": "b"}, "preference", 0) == {"prompt": "q", "chosen": "a", "rejected": "b"}
+    assert normalize({"prompt": "q", "chosen": "a", "rejected": "b"}, "preference", 0) == {
+        "prompt": "q",
+        "chosen": "a",
+        "rejected": "b",
+    }
 
 
 def _trainer(tmp_path, **settings):
@@ -230,7 +253,9 @@ def test_an_open_budget_scores_the_pairs_as_the_steps_reach_them(tmp_path, monke
         assert torch.allclose(lazy.method.ref[k], upfront.method.ref[k], atol=1e-6)
     for p, q in zip(upfront.policy.parameters(), lazy.policy.parameters()):
         assert torch.allclose(p, q, atol=1e-6)  # pi_ref stayed the initial policy while the policy trained
-    changed = any(not torch.equal(p, q) for p, q in zip(upfront.policy.parameters(), lazy.method.ref_model.parameters()))
+    changed = any(
+        not torch.equal(p, q) for p, q in zip(upfront.policy.parameters(), lazy.method.ref_model.parameters())
+    )
     assert changed
 
 
@@ -238,10 +263,15 @@ def test_conversational_dataset(tmp_path):
     """Chat-message rows (with an explicit or an implicit prompt) from a local JSONL file."""
     path = tmp_path / "prefs.jsonl"
     rows = [
-        {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
-         "rejected": [{"role": "assistant", "content": "3"}]},
-        {"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-         "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]},
+        {
+            "prompt": [{"role": "user", "content": "1+1?"}],
+            "chosen": [{"role": "assistant", "content": "2"}],
+            "rejected": [{"role": "assistant", "content": "3"}],
+        },
+        {
+            "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}],
+        },
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     tr = _trainer(tmp_path, method="dpo", dataset=str(path), max_steps=1, batch_size=2)
@@ -252,8 +282,16 @@ def test_conversational_dataset(tmp_path):
 
 def test_reward_accuracy_rises(tmp_path):
     """Thirty DPO steps on the tiny model separate most training pairs (it starts near 0: margins are 0)."""
-    tr = _trainer(tmp_path, method="dpo", task_options={"level": "1d-add"}, max_steps=30, batch_size=8,
-                  micro_batch_size=16, lr=1e-3, beta=0.1)
+    tr = _trainer(
+        tmp_path,
+        method="dpo",
+        task_options={"level": "1d-add"},
+        max_steps=30,
+        batch_size=8,
+        micro_batch_size=16,
+        lr=1e-3,
+        beta=0.1,
+    )
     n_steps = math.ceil(len(tr.method.pairs) / 8)  # the first epoch: every training pair once
 
     def accuracy():
@@ -278,7 +316,22 @@ def test_reward_accuracy_rises(tmp_path):
 @pytest.mark.parametrize("name", PREFERENCE_METHODS)
 def test_cli_runs(name, tmp_path):
     out = tmp_path / name
-    res = CliRunner().invoke(main, ["run", "--method", name, "--model", "tiny", "--max-steps", "3", "--output-dir", str(out), "--set", "progress=false"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--method",
+            name,
+            "--model",
+            "tiny",
+            "--max-steps",
+            "3",
+            "--output-dir",
+            str(out),
+            "--set",
+            "progress=false",
+        ],
+    )
     assert res.exit_code == 0, res.output
     logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3]
@@ -296,7 +349,9 @@ def _bad_rows(tmp_path, chosen_of_row_1):
     second = {"prompt": "What is 2 + 2?", "rejected": "5"}
     if chosen_of_row_1 is not None:
         second["chosen"] = chosen_of_row_1
-    path.write_text(json.dumps({"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}) + "\n" + json.dumps(second) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}) + "\n" + json.dumps(second) + "\n"
+    )
     return path
 
 
@@ -304,8 +359,28 @@ def test_missing_chosen_is_one_clear_error(tmp_path):
     """A real process: one 'error:' line naming the row and the column, a non-zero exit, no traceback."""
     path = _bad_rows(tmp_path, None)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "gcfamily", "run", "--method", "dpo", "--model", "tiny", "--dataset", str(path),
-                           "--max-steps", "1", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gcfamily",
+            "run",
+            "--method",
+            "dpo",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(path),
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
@@ -314,8 +389,22 @@ def test_missing_chosen_is_one_clear_error(tmp_path):
 
 def test_empty_chosen_is_one_clear_error(tmp_path):
     path = _bad_rows(tmp_path, "  ")
-    res = CliRunner().invoke(main, ["run", "--method", "ipo", "--model", "tiny", "--dataset", str(path), "--max-steps", "1",
-                                    "--output-dir", str(tmp_path / "run")])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--method",
+            "ipo",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(path),
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert res.exit_code != 0 and isinstance(res.exception, SystemExit)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "Row 1" in lines[0] and "'chosen'" in lines[0]

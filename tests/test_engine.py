@@ -19,8 +19,14 @@ def _batch(B=8, L=12, V=50, seed=0):
 
 
 def _naive_logps(model, batch, temperature=1.0):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=engine.position_ids_from_mask(batch["attention_mask"])).logits.float() / temperature
+    logits = (
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=engine.position_ids_from_mask(batch["attention_mask"]),
+        ).logits.float()
+        / temperature
+    )
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
     return lp * batch["loss_mask"]
@@ -31,7 +37,9 @@ def _naive_logps(model, batch, temperature=1.0):
 def test_chunked_logprobs_match_naive(chunk, temperature):
     model = tiny_model(50, seed=1)
     batch = _batch()
-    got = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], temperature, chunk).logps
+    got = engine.token_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], temperature, chunk
+    ).logps
     want = _naive_logps(model, batch, temperature)
     assert torch.allclose(got, want, atol=1e-5)
 
@@ -103,8 +111,11 @@ def test_gradient_accumulation_matches_one_batch(mode):
 
 def test_normaliser_by_hand():
     # two rows: 3 and 1 loss tokens, the second row invalid
-    b = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "loss_mask": torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1]]),
-         "valid": torch.tensor([True, False])}
+    b = {
+        "input_ids": torch.zeros(2, 4, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1]]),
+        "valid": torch.tensor([True, False]),
+    }
     assert engine.normaliser([b], "token") == 3.0  # 3 valid tokens
     assert engine.normaliser([b], "sequence") == 1.0  # 1 valid sequence
     assert engine.normaliser([b, b], "sum") == 2.0  # one valid sequence per micro-batch
@@ -131,8 +142,11 @@ def _grouped_batch(n_prompts=3, G=4, P=12, C=6, V=50, seed=0):
     pmask = pmask.repeat_interleave(G, 0)
     comp = torch.randint(3, V, (n_prompts * G, C), generator=g)
     cmask = (torch.arange(C)[None] < torch.randint(1, C + 1, (n_prompts * G,), generator=g)[:, None]).long()
-    return {"input_ids": torch.cat([prompt, comp * cmask], 1), "attention_mask": torch.cat([pmask, cmask], 1),
-            "loss_mask": torch.cat([torch.zeros_like(pmask), cmask], 1)}
+    return {
+        "input_ids": torch.cat([prompt, comp * cmask], 1),
+        "attention_mask": torch.cat([pmask, cmask], 1),
+        "loss_mask": torch.cat([torch.zeros_like(pmask), cmask], 1),
+    }
 
 
 def test_shared_prefix_is_found_in_groups_only():
@@ -140,7 +154,9 @@ def test_shared_prefix_is_found_in_groups_only():
     S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert S == 11 and len(first) == 3
     groups = inverse.view(3, 4)
-    assert (groups == groups[:, :1]).all() and len(set(groups[:, 0].tolist())) == 3  # one prefix per group, groups apart
+    assert (groups == groups[:, :1]).all() and len(
+        set(groups[:, 0].tolist())
+    ) == 3  # one prefix per group, groups apart
     assert (first[inverse] // 4 == torch.arange(12) // 4).all()  # each row's representative is from its own group
     distinct = _batch()  # every row its own prompt: no sharing
     assert engine.shared_prefix(distinct["input_ids"], distinct["attention_mask"], distinct["loss_mask"]) is None
@@ -155,7 +171,9 @@ def test_shared_prefix_logprobs_and_gradient_match_naive(temperature):
     grads, logps = {}, {}
     for share in (True, False):
         model.zero_grad()
-        out = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], temperature, 5, share)
+        out = engine.token_logprobs(
+            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], temperature, 5, share
+        )
         (out.logps * w).sum().backward()
         grads[share] = {n: p.grad.clone() for n, p in model.named_parameters()}
         logps[share] = out.logps.detach()
@@ -200,7 +218,10 @@ def test_packing_without_a_shared_prefix_matches_naive():
 
     model = tiny_model(50, seed=13)
     g = torch.Generator().manual_seed(14)
-    rows = [(torch.randint(3, 50, (p,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist()) for p, c in [(3, 2), (4, 40), (2, 3), (5, 38)]]
+    rows = [
+        (torch.randint(3, 50, (p,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist())
+        for p, c in [(3, 2), (4, 40), (2, 3), (5, 38)]
+    ]
     batch = collate(rows, 0)
     assert engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]) is None
     packing = engine.pack_rows(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
@@ -214,7 +235,10 @@ def test_packed_rows_are_balanced_under_the_cap(monkeypatch):
     from gcfamily.core import packing as packing_mod
 
     G, P, C = 8, 5, 8
-    ids = torch.cat([torch.arange(3, 3 + P).repeat(G, 1), torch.randint(3, 50, (G, C), generator=torch.Generator().manual_seed(1))], 1)
+    ids = torch.cat(
+        [torch.arange(3, 3 + P).repeat(G, 1), torch.randint(3, 50, (G, C), generator=torch.Generator().manual_seed(1))],
+        1,
+    )
     ones = torch.ones_like(ids)
     loss = torch.cat([torch.zeros(G, P, dtype=torch.long), torch.ones(G, C, dtype=torch.long)], 1)
     monkeypatch.setattr(packing_mod, "PACK_LENGTH", P + 7 * C)  # first fit: 7 rows, then 1
@@ -229,7 +253,11 @@ def test_packed_rows_are_balanced_under_the_cap(monkeypatch):
 
 
 def test_packing_is_skipped_when_rows_fill_the_batch():
-    batch = {"input_ids": torch.ones(3, 5, dtype=torch.long), "attention_mask": torch.ones(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.ones(3, 5, dtype=torch.long),
+        "attention_mask": torch.ones(3, 5, dtype=torch.long),
+        "loss_mask": torch.ones(3, 5, dtype=torch.long),
+    }
     assert engine.pack_rows(**batch) is None
 
 
@@ -240,7 +268,10 @@ def test_common_prefix_of_different_prompts_is_shared():
     model = tiny_model(50, seed=15)
     g = torch.Generator().manual_seed(16)
     system = torch.randint(3, 50, (9,), generator=g).tolist()
-    rows = [(system + torch.randint(3, 50, (q,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist()) for q, c in [(4, 3), (6, 2), (5, 7)]]
+    rows = [
+        (system + torch.randint(3, 50, (q,), generator=g).tolist(), torch.randint(3, 50, (c,), generator=g).tolist())
+        for q, c in [(4, 3), (6, 2), (5, 7)]
+    ]
     batch = collate(rows, 0)
     S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert S == 9 and inverse.tolist() == [0, 0, 0] and first.tolist() == [0]
@@ -258,7 +289,9 @@ def test_shared_prefix_of_right_padded_pairs():
     batch = collate(rows, 0)
     S, first, inverse = engine.shared_prefix(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     assert S == 9 and inverse[0] == inverse[1] and inverse[2] == inverse[3] and inverse[0] != inverse[2]
-    a = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 4, True).logps
+    a = engine.token_logprobs(
+        model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 4, True
+    ).logps
     assert torch.allclose(a, _naive_logps(model, batch), atol=1e-5)
 
 
@@ -282,7 +315,14 @@ def test_host_copies_give_the_same_logprobs_and_gradient():
 def test_rows_without_loss_tokens_that_end_inside_the_shared_prefix():
     """Two identical short rows with no loss token beside rows whose loss starts later: the short rows add nothing after
     the prefix (before, a negative span raised inside the packing), and every log-prob equals the padded pass."""
-    ids = torch.tensor([[5, 6, 0, 0, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0, 0], [7, 8, 9, 10, 11, 12, 13, 0], [7, 8, 9, 10, 11, 14, 15, 16]])
+    ids = torch.tensor(
+        [
+            [5, 6, 0, 0, 0, 0, 0, 0],
+            [5, 6, 0, 0, 0, 0, 0, 0],
+            [7, 8, 9, 10, 11, 12, 13, 0],
+            [7, 8, 9, 10, 11, 14, 15, 16],
+        ]
+    )
     am = (ids > 0).long()
     lm = torch.zeros_like(ids)
     lm[2, 5:7], lm[3, 5:8] = 1, 1

@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from gcfamily.config import FIELD_NAMES
 import torch
 
 from gcfamily import check
@@ -35,7 +37,11 @@ from gcfamily.methods.sft import SFT
 
 
 def _cases() -> list[Any]:
-    return [pytest.param(name, label, s, id=f"{name}-{label}") for name in METHODS for label, s in check.cases(get_method(name))]
+    return [
+        pytest.param(name, label, s, id=f"{name}-{label}")
+        for name in METHODS
+        for label, s in check.cases(get_method(name))
+    ]
 
 
 @pytest.mark.parametrize("name, label, settings", _cases())
@@ -60,7 +66,11 @@ def test_every_method_in_gcf_methods_is_covered() -> None:
 PAPER_DEFAULTS = {
     "grpo": {"epsilon": 0.2, "epsilon_high": None, "beta": 0.04, "norm": "sequence"},  # DeepSeekMath 4.2
     "dapo": {"epsilon": 0.2, "epsilon_high": 0.28, "norm": "token"},  # DAPO 3.1 clip-higher, 3.3 token-level loss
-    "dr-grpo": {"scale_rewards": "none", "norm": "constant", "norm_constant": "max_new_tokens"},  # Dr. GRPO: no std, no 1/|o|
+    "dr-grpo": {
+        "scale_rewards": "none",
+        "norm": "constant",
+        "norm_constant": "max_new_tokens",
+    },  # Dr. GRPO: no std, no 1/|o|
     "gspo": {"epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0},  # GSPO 5.1
     "ppo": {"epsilon": 0.2},  # PPO, eps = 0.2
     "dpo": {"beta": 0.1},  # DPO 6
@@ -73,7 +83,9 @@ def test_methods_default_to_their_papers_settings(name: str) -> None:
         pytest.skip(f"{name} is not registered")
     m = check.make(get_method(name), {})
     for key, want in PAPER_DEFAULTS[name].items():
-        got = m.norm if key == "norm" else getattr(m.cfg, key)
+        got = (
+            m.norm if key == "norm" else getattr(m.cfg if key in FIELD_NAMES else m.settings, key)
+        )  # one spelling each
         want = getattr(m.cfg, want) if key == "norm_constant" else want  # Dr. GRPO divides by the generation budget
         assert got == want, f"{name}: {key} = {got}, the paper's is {want}"
 
@@ -127,7 +139,9 @@ class _UnclippedSequence(GRPO):
         return self.importance_ratio(batch, logps)[1] * self.token_advantages(batch) * batch["loss_mask"]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        return self.aggregate(self.importance_ratio(batch, logps)[0] * self.token_advantages(batch) * batch["loss_mask"], batch, Z)
+        return self.aggregate(
+            self.importance_ratio(batch, logps)[0] * self.token_advantages(batch) * batch["loss_mask"], batch, Z
+        )
 
 
 class _FlippedKL(GRPO):
@@ -163,21 +177,29 @@ def _failures(cls: type[Method], settings: dict) -> list[str]:
     return out.failures + [f"missing {b}" for b in out.missing]
 
 
-@pytest.mark.parametrize("cls, settings, message", [
-    (_NoObjective, {}, "has no objective"),
-    (_WrongCoefficient, {}, "(a) engine vs own objective"),
-    (_TouchesThePolicy, {}, "trains no policy"),
-])
+@pytest.mark.parametrize(
+    "cls, settings, message",
+    [
+        (_NoObjective, {}, "has no objective"),
+        (_WrongCoefficient, {}, "(a) engine vs own objective"),
+        (_TouchesThePolicy, {}, "trains no policy"),
+    ],
+)
 def test_a_method_that_cannot_be_checked_or_is_wrong_fails(cls: type[Method], settings: dict, message: str) -> None:
     assert any(message in f for f in _failures(cls, settings)), _failures(cls, settings)
 
 
-@pytest.mark.parametrize("cls, settings", [
-    (_ScaledAdvantages, {}),  # at GRPO's own defaults: no clip, the KL in the loss
-    (_UnclippedSequence, {"mu": 2, "beta": 0.0}),  # the sequence clip alone
-    (_FlippedKL, {"beta": 0.1}),
-])
-def test_a_wrong_rule_whose_objective_agrees_with_it_fails_against_the_textbook(cls: type[Method], settings: dict) -> None:
+@pytest.mark.parametrize(
+    "cls, settings",
+    [
+        (_ScaledAdvantages, {}),  # at GRPO's own defaults: no clip, the KL in the loss
+        (_UnclippedSequence, {"mu": 2, "beta": 0.0}),  # the sequence clip alone
+        (_FlippedKL, {"beta": 0.1}),
+    ],
+)
+def test_a_wrong_rule_whose_objective_agrees_with_it_fails_against_the_textbook(
+    cls: type[Method], settings: dict
+) -> None:
     failures = _failures(cls, settings)
     assert any(f.startswith("(a) engine vs textbook") for f in failures), failures
     assert any(f.startswith("(b) d loss/d logits vs textbook") for f in failures), failures
@@ -203,4 +225,9 @@ def test_a_batch_that_cannot_tell_fails(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(check_builders, "_design_ratios", lambda *a, **k: None)
     out = check.run_case(get_method("dapo"), "clip and KL", {"mu": 2})
-    assert not out.ok and {"clipped low", "clipped high", "in the band between eps and eps_high", "unclipped, r != 1"} <= set(out.missing)
+    assert not out.ok and {
+        "clipped low",
+        "clipped high",
+        "in the band between eps and eps_high",
+        "unclipped, r != 1",
+    } <= set(out.missing)

@@ -14,8 +14,18 @@ from gcfamily.rollout import SamplingSettings, generate
 
 V, PAD, EOS = 128, 0, 1
 W = 8  # every sliding window below; rows run to ~50 tokens
-SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    bos_token_id=2,
+    tie_word_embeddings=False,
+)
 SL, FU = "sliding_attention", "full_attention"
 
 # name: (causal LM class, config class, config fields, windowed layer kinds the packed masks must have; None: a
@@ -23,37 +33,93 @@ SL, FU = "sliding_attention", "full_attention"
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", dict(num_hidden_layers=2), set()),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_hidden_layers=2, use_sliding_window=False), set()),
-    "qwen2.5-sliding": ("Qwen2ForCausalLM", "Qwen2Config",
-                        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=W, max_window_layers=1), {SL}),
+    "qwen2.5-sliding": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=W, max_window_layers=1),
+        {SL},
+    ),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=2, head_dim=8), set()),
-    "qwen2-moe-sliding": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                          dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=W, max_window_layers=2), {SL}),
-    "qwen3-moe-sliding": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                          dict(num_hidden_layers=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               use_sliding_window=True, sliding_window=W), {SL}),
+    "qwen2-moe-sliding": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            num_hidden_layers=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            use_sliding_window=True,
+            sliding_window=W,
+            max_window_layers=2,
+        ),
+        {SL},
+    ),
+    "qwen3-moe-sliding": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            use_sliding_window=True,
+            sliding_window=W,
+        ),
+        {SL},
+    ),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_hidden_layers=2, sliding_window=W), {SL}),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
-               dict(num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=None), {SL}),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=None
+        ),
+        {SL},
+    ),
     # as shipped, the logits soft-capped too (a cap of 0.5 so that it bends a random tiny model's logits; Gemma 2 uses 30)
-    "gemma2-final-softcap": ("Gemma2ForCausalLM", "Gemma2Config",
-                             dict(num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=0.5), {SL}),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
-               dict(num_hidden_layers=3, head_dim=8, sliding_window=W, layer_types=[SL, SL, FU]), {SL}),
+    "gemma2-final-softcap": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=2, head_dim=8, sliding_window=W, attn_logit_softcapping=5.0, final_logit_softcapping=0.5
+        ),
+        {SL},
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(num_hidden_layers=3, head_dim=8, sliding_window=W, layer_types=[SL, SL, FU]),
+        {SL},
+    ),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_hidden_layers=2, sliding_window=W), {SL}),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(num_hidden_layers=2), set()),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=4), set()),  # layer 3 has no RoPE
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256), set()),
-    "starcoder2-sliding": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(num_hidden_layers=2, sliding_window=W), None),
+    "starcoder2-sliding": (
+        "Starcoder2ForCausalLM",
+        "Starcoder2Config",
+        dict(num_hidden_layers=2, sliding_window=W),
+        None,
+    ),
 }
 
 
 REFUSED = {  # name: (causal LM class, config class, config fields, what the one sentence names)
-    "gemma3-bidirectional": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(num_hidden_layers=2, head_dim=8, use_bidirectional_attention=True),
-                             "bidirectionally"),
+    "gemma3-bidirectional": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(num_hidden_layers=2, head_dim=8, use_bidirectional_attention=True),
+        "bidirectionally",
+    ),
     "cohere-logit-scale": ("CohereForCausalLM", "CohereConfig", dict(num_hidden_layers=2), "logit_scale=0.0625"),
-    "llama4-no-decoder": ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_hidden_layers=2, head_dim=8, intermediate_size_mlp=64,
-                          num_local_experts=2, attention_chunk_size=W), "Llama4ForCausalLM"),
+    "llama4-no-decoder": (
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(num_hidden_layers=2, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, attention_chunk_size=W),
+        "Llama4ForCausalLM",
+    ),
 }
 
 
@@ -124,9 +190,13 @@ def engine_pass(model, batch, w, monkeypatch, plain=False):
         return p
 
     monkeypatch.setattr(packing, "pack_rows", spy)
-    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, k: seen["masks"].append(k.get("attention_mask")), with_kwargs=True)
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda m, a, k: seen["masks"].append(k.get("attention_mask")), with_kwargs=True
+    )
     try:
-        lp = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True).logps
+        lp = engine.token_logprobs(
+            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True
+        ).logps
     finally:
         hook.remove()
         monkeypatch.setattr(packing, "pack_rows", real_pack)
@@ -159,7 +229,9 @@ def test_packed_and_padded_logprobs_and_gradients_equal_the_models_own_forward(n
                 assert seen["packings"] in ([None], []) and mask.dim() == 2
                 continue
             (p,) = seen["packings"]
-            assert isinstance(p, packing.Packing) and (p.S > W) == prefix  # packed, past a shared prefix longer than the window
+            assert (
+                isinstance(p, packing.Packing) and (p.S > W) == prefix
+            )  # packed, past a shared prefix longer than the window
             full = p.allowed
             layer = mask if isinstance(mask, dict) else {k: mask for k in kinds or {"full_attention"}}
             assert set(layer) >= kinds
@@ -236,7 +308,11 @@ def test_load_model_prepares_and_refuses(tmp_path):
     from gcfamily.models import load_model
 
     for name in ("cohere-logit-scale", "gemma2-shipped"):
-        cls, cfg_cls, fields, _ = REFUSED[name] if name in REFUSED else ("Gemma2ForCausalLM", "Gemma2Config", dict(num_hidden_layers=2, head_dim=8), None)
+        cls, cfg_cls, fields, _ = (
+            REFUSED[name]
+            if name in REFUSED
+            else ("Gemma2ForCausalLM", "Gemma2Config", dict(num_hidden_layers=2, head_dim=8), None)
+        )
         getattr(tf, cls)(getattr(tf, cfg_cls)(**{**SMALL, **fields})).save_pretrained(tmp_path / name)
         tokenizer().save_pretrained(tmp_path / name)
     with pytest.raises(GcfError, match="logit_scale=0.0625"):

@@ -102,36 +102,74 @@ ROWS = {
     "preference/conv": ([{"prompt": [U("sky?")], "chosen": [A("blue")], "rejected": [A("red")]}], "preference", True),
     # implicit prompt: the shared start; the space before the answers starts the completions (TRL's extract_prompt)
     "preference-implicit": ([{"chosen": "Sky? blue", "rejected": "Sky? red"}], "preference", False),
-    "preference-implicit/conv": ([{"chosen": [U("sky?"), A("blue")], "rejected": [U("sky?"), A("red")]}], "preference", True),
-    "unpaired": ([{"prompt": "sky?", "completion": "blue", "label": True}, {"prompt": "sky?", "completion": "red", "label": False}],
-                 "unpaired-preference", False),
-    "unpaired/conv": ([{"prompt": [U("sky?")], "completion": [A("blue")], "label": True},
-                       {"prompt": [U("sky?")], "completion": [A("red")], "label": False}], "unpaired-preference", True),
+    "preference-implicit/conv": (
+        [{"chosen": [U("sky?"), A("blue")], "rejected": [U("sky?"), A("red")]}],
+        "preference",
+        True,
+    ),
+    "unpaired": (
+        [
+            {"prompt": "sky?", "completion": "blue", "label": True},
+            {"prompt": "sky?", "completion": "red", "label": False},
+        ],
+        "unpaired-preference",
+        False,
+    ),
+    "unpaired/conv": (
+        [
+            {"prompt": [U("sky?")], "completion": [A("blue")], "label": True},
+            {"prompt": [U("sky?")], "completion": [A("red")], "label": False},
+        ],
+        "unpaired-preference",
+        True,
+    ),
 }
 
 # What each accepted (name, kind) gives, per mode ("same" for conversational rows: chat only), by hand.
 # demonstrations: pieces (text, trained); prompts: prompt strings; pairs: (prompt, chosen, rejected); labelled: (prompt, completion, label)
 _PC_CHAT = [(P("2+2="), 0), ("4<eos>", 1)]  # the completion ends at the template's EOS; its newline is not trained
 EXPECTED = {
-    "text": {"demonstrations": {"chat": [("h", 0), ("ello<eos>", 1)], "raw": [("h", 0), ("ello<eos>", 1)]}},  # text is never templated
-    "messages": {"demonstrations": {"chat": [(P("hi"), 0), ("yo<eos>", 1), ("\n" + P("q?"), 0), ("ok<eos>", 1), ("\n", 0)]}},
+    "text": {
+        "demonstrations": {"chat": [("h", 0), ("ello<eos>", 1)], "raw": [("h", 0), ("ello<eos>", 1)]}
+    },  # text is never templated
+    "messages": {
+        "demonstrations": {"chat": [(P("hi"), 0), ("yo<eos>", 1), ("\n" + P("q?"), 0), ("ok<eos>", 1), ("\n", 0)]}
+    },
     "prompt-only": {"prompts": {"chat": [P("2+2=")], "raw": ["2+2="]}},
     "prompt-only/conv": {"prompts": {"chat": [P("2+2=")]}},
-    "prompt-completion": {"demonstrations": {"chat": _PC_CHAT, "raw": [("2+2=", 0), ("4<eos>", 1)]},
-                          "prompts": {"chat": [P("2+2=")], "raw": ["2+2="]}},
+    "prompt-completion": {
+        "demonstrations": {"chat": _PC_CHAT, "raw": [("2+2=", 0), ("4<eos>", 1)]},
+        "prompts": {"chat": [P("2+2=")], "raw": ["2+2="]},
+    },
     "prompt-completion/conv": {"demonstrations": {"chat": _PC_CHAT}, "prompts": {"chat": [P("2+2=")]}},
-    "preference": {"pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")], "raw": [("sky?", "blue<eos>", "red<eos>")]},
-                   "labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)],
-                                "raw": [("sky?", "blue<eos>", True), ("sky?", "red<eos>", False)]}},
-    "preference/conv": {"pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")]},
-                        "labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)]}},
-    "preference-implicit": {"pairs": {"chat": [(P("Sky?"), " blue<eos>", " red<eos>")], "raw": [("Sky?", " blue<eos>", " red<eos>")]},
-                            "labelled": {"chat": [(P("Sky?"), " blue<eos>", True), (P("Sky?"), " red<eos>", False)],
-                                         "raw": [("Sky?", " blue<eos>", True), ("Sky?", " red<eos>", False)]}},
-    "preference-implicit/conv": {"pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")]},
-                                 "labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)]}},
-    "unpaired": {"labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)],
-                              "raw": [("sky?", "blue<eos>", True), ("sky?", "red<eos>", False)]}},
+    "preference": {
+        "pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")], "raw": [("sky?", "blue<eos>", "red<eos>")]},
+        "labelled": {
+            "chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)],
+            "raw": [("sky?", "blue<eos>", True), ("sky?", "red<eos>", False)],
+        },
+    },
+    "preference/conv": {
+        "pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")]},
+        "labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)]},
+    },
+    "preference-implicit": {
+        "pairs": {"chat": [(P("Sky?"), " blue<eos>", " red<eos>")], "raw": [("Sky?", " blue<eos>", " red<eos>")]},
+        "labelled": {
+            "chat": [(P("Sky?"), " blue<eos>", True), (P("Sky?"), " red<eos>", False)],
+            "raw": [("Sky?", " blue<eos>", True), ("Sky?", " red<eos>", False)],
+        },
+    },
+    "preference-implicit/conv": {
+        "pairs": {"chat": [(P("sky?"), "blue<eos>", "red<eos>")]},
+        "labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)]},
+    },
+    "unpaired": {
+        "labelled": {
+            "chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)],
+            "raw": [("sky?", "blue<eos>", True), ("sky?", "red<eos>", False)],
+        }
+    },
     "unpaired/conv": {"labelled": {"chat": [(P("sky?"), "blue<eos>", True), (P("sky?"), "red<eos>", False)]}},
 }
 
@@ -231,7 +269,13 @@ def test_raw_prompt_takes_special_tokens_completion_does_not_then_eos():
 
 def test_chat_mode_wraps_strings_as_user_and_assistant_messages():
     f = formatter(chat_format="chat")
-    e = encode("demonstrations", [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+3=", "completion": "6"}], f, 512, method="sft")
+    e = encode(
+        "demonstrations",
+        [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+3=", "completion": "6"}],
+        f,
+        512,
+        method="sft",
+    )
     assert e.mode == "chat"
     assert e.examples == [pieces((P("2+2="), 0), ("4<eos>", 1)), pieces((P("3+3="), 0), ("6<eos>", 1))]
 
@@ -246,7 +290,9 @@ def test_auto_is_chat_with_a_template_and_raw_without():
         encode("demonstrations", rows, formatter(no_template(), chat_format="chat"), 512, method="sft")
 
 
-@pytest.mark.parametrize("name", ["messages", "prompt-only/conv", "prompt-completion/conv", "preference/conv", "unpaired/conv"])
+@pytest.mark.parametrize(
+    "name", ["messages", "prompt-only/conv", "prompt-completion/conv", "preference/conv", "unpaired/conv"]
+)
 def test_conversational_rows_need_a_template_unless_one_is_given(name, tmp_path):
     rows, _, _ = ROWS[name]
     kind = next(iter(EXPECTED[name]))
@@ -263,9 +309,13 @@ def test_conversational_rows_need_a_template_unless_one_is_given(name, tmp_path)
 
 
 def test_a_chat_template_that_replaces_the_tokenizers_own_is_used():
-    template = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + ('<eos>' if m['role'] == 'assistant' else '') }}"
-                "{% endfor %}{% if add_generation_prompt %}{{ 'a:' }}{% endif %}")
-    e = encode("demonstrations", [{"prompt": "q", "completion": "r"}], formatter(chat_template=template), 512, method="sft")
+    template = (
+        "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + ('<eos>' if m['role'] == 'assistant' else '') }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
+    )
+    e = encode(
+        "demonstrations", [{"prompt": "q", "completion": "r"}], formatter(chat_template=template), 512, method="sft"
+    )
     assert e.examples == [pieces(("u:qa:", 0), ("r<eos>", 1))]
     with pytest.raises(GcfError, match=r"neither an existing file nor a Jinja template"):
         formatter(chat_template="/no/such/template.jinja")
@@ -296,7 +346,7 @@ def test_assistant_only_loss_trains_both_assistant_turns_or_everything_but_the_f
     [(ids, mask)] = encode("demonstrations", rows, formatter(assistant_only_loss=False), 512, method="sft").examples
     assert ids == toks(full)
     assert mask == [0] + [1] * (len(ids) - 1)
-    assert trained_text(ids, mask) == full[len("<|user|>"):]
+    assert trained_text(ids, mask) == full[len("<|user|>") :]
     with pytest.raises(GcfError, match=r"Row 0: the conversation has no assistant message"):
         encode("demonstrations", [{"messages": [U("hi")]}], formatter(), 512, method="sft")
 
@@ -305,10 +355,18 @@ def test_kto_splits_each_preference_pair_into_a_desirable_and_an_undesirable_row
     rows = [{"prompt": "a?", "chosen": "yes", "rejected": "no"}, {"prompt": "b?", "chosen": "up", "rejected": "down"}]
     e = encode("labelled", rows, formatter(chat_format="raw"), 512, method="kto")
     assert e.format == "preference"
-    assert e.examples == [(toks("a?"), toks("yes<eos>")), (toks("a?"), toks("no<eos>")),
-                          (toks("b?"), toks("up<eos>")), (toks("b?"), toks("down<eos>"))]
+    assert e.examples == [
+        (toks("a?"), toks("yes<eos>")),
+        (toks("a?"), toks("no<eos>")),
+        (toks("b?"), toks("up<eos>")),
+        (toks("b?"), toks("down<eos>")),
+    ]
     assert [(r["prompt"], r["completion"], r["label"]) for r in e.rows] == [
-        ("a?", "yes", True), ("a?", "no", False), ("b?", "up", True), ("b?", "down", False)]
+        ("a?", "yes", True),
+        ("a?", "no", False),
+        ("b?", "up", True),
+        ("b?", "down", False),
+    ]
 
 
 # --------------------------------------------------------------------------- max_length
@@ -317,7 +375,11 @@ def test_kto_splits_each_preference_pair_into_a_desirable_and_an_undesirable_row
 def test_long_prompts_are_skipped_and_counted_or_refused():
     skip_key = "prompt of max_length=8 tokens or more"
     raw = formatter(chat_format="raw")
-    rows = [{"prompt": "1234567", "completion": "abcd"}, {"prompt": "12345678", "completion": "x"}, {"prompt": "12", "completion": "ab"}]
+    rows = [
+        {"prompt": "1234567", "completion": "abcd"},
+        {"prompt": "12345678", "completion": "x"},
+        {"prompt": "12", "completion": "ab"},
+    ]
     e = encode("demonstrations", rows, raw, 8, method="sft")
     # row 0: a 7-token prompt leaves room for one completion token; row 1's 8-token prompt is skipped
     assert e.examples == [pieces(("1234567", 0), ("a", 1)), pieces(("12", 0), ("ab<eos>", 1))]
@@ -325,28 +387,46 @@ def test_long_prompts_are_skipped_and_counted_or_refused():
     assert [r["prompt"] for r in e.rows] == ["1234567", "12"]
     e = encode("prompts", rows, raw, 8, method="grpo")
     assert e.examples == [toks("1234567"), toks("12")] and e.skipped == {skip_key: 1}
-    prefs = [{"prompt": "123456", "chosen": "abc", "rejected": "d"}, {"prompt": "12345678", "chosen": "a", "rejected": "b"}]
+    prefs = [
+        {"prompt": "123456", "chosen": "abc", "rejected": "d"},
+        {"prompt": "12345678", "chosen": "a", "rejected": "b"},
+    ]
     e = encode("pairs", prefs, raw, 8, method="dpo")
-    assert e.examples == [(toks("123456"), toks("ab"), toks("d<eos>"))] and e.skipped == {skip_key: 1}  # completions cut to the room left
+    assert e.examples == [(toks("123456"), toks("ab"), toks("d<eos>"))] and e.skipped == {
+        skip_key: 1
+    }  # completions cut to the room left
     e = encode("labelled", prefs, raw, 8, method="kto")
     assert e.examples == [(toks("123456"), toks("ab")), (toks("123456"), toks("d<eos>"))] and e.skipped == {skip_key: 2}
     # a conversation whose first trained token lies past max_length
-    e = encode("demonstrations", [{"messages": [U("a" * 20), A("b")]}, {"messages": [U("a"), A("b")]}], formatter(), 12, method="sft")
+    e = encode(
+        "demonstrations",
+        [{"messages": [U("a" * 20), A("b")]}, {"messages": [U("a"), A("b")]}],
+        formatter(),
+        12,
+        method="sft",
+    )
     assert e.skipped == {"no trained token within max_length": 1}
     assert e.examples == [pieces((P("a"), 0), ("b<eos>", 1), ("\n", 0))]
     with pytest.raises(GcfError) as err:
         encode("demonstrations", rows, raw, 8, long_prompts="error", method="sft")
-    assert str(err.value) == "Row 1: the prompt has 8 tokens, at least max_length=8; raise max_length or set long_prompts=skip."
+    assert (
+        str(err.value)
+        == "Row 1: the prompt has 8 tokens, at least max_length=8; raise max_length or set long_prompts=skip."
+    )
     with pytest.raises(GcfError, match=r"Row 1: the prompt has 8 tokens"):
         encode("prompts", rows, raw, 8, long_prompts="error", method="grpo")
-    with pytest.raises(GcfError, match=r"No row of the data is usable for sft \(1 prompt of max_length=8 tokens or more\)"):
+    with pytest.raises(
+        GcfError, match=r"No row of the data is usable for sft \(1 prompt of max_length=8 tokens or more\)"
+    ):
         encode("demonstrations", rows[1:2], raw, 8, method="sft")
 
 
 # --------------------------------------------------------------------------- containers
 
-STD_ROWS = [{"prompt": "two plus two", "completion": "four", "answer": "four"},
-            {"prompt": "sky colour", "completion": "blue", "answer": "blue"}]
+STD_ROWS = [
+    {"prompt": "two plus two", "completion": "four", "answer": "four"},
+    {"prompt": "sky colour", "completion": "blue", "answer": "blue"},
+]
 CONV_ROWS = [{"messages": [U("hi"), A("yo"), U("q?"), A("ok")]}, {"messages": [U("ab"), A("cd")]}]
 
 
@@ -387,7 +467,9 @@ def test_every_container_gives_the_same_rows_and_ids(tmp_path, rows, with_csv):
 def test_a_dataset_dict_gives_the_split_asked_for(tmp_path):
     import datasets
 
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(STD_ROWS[:1]), "test": datasets.Dataset.from_list(STD_ROWS)})
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(STD_ROWS[:1]), "test": datasets.Dataset.from_list(STD_ROWS)}
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     for source in (str(tmp_path / "dd"), dd):  # a DatasetDict.save_to_disk folder, and the object from Python
         assert load_rows(source, "test") == STD_ROWS
@@ -460,15 +542,42 @@ HUB_SCRIPT = textwrap.dedent('''
 def test_a_cached_hub_dataset_loads_offline_and_trains(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    gcf = ["run", "--method", "grpo", "--model", "tiny", "--reward", "numeric", "--max-steps", "1", "--set", "batch_size=2",
-           "--set", "group_size=2", "--set", "max_new_tokens=4", "--set", "progress=false"]
-    proc = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(tmp_path), *gcf], env=env, cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=600, check=False)
+    gcf = [
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--reward",
+        "numeric",
+        "--max-steps",
+        "1",
+        "--set",
+        "batch_size=2",
+        "--set",
+        "group_size=2",
+        "--set",
+        "max_new_tokens=4",
+        "--set",
+        "progress=false",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", HUB_SCRIPT, str(tmp_path), *gcf],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     lines = [line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith(("ROWS=", "RUN=", "MISSING="))]
     got = {key: json.loads(value) for key, value in lines}
-    assert got["ROWS"] == [{"question": "3+3=", "answer": "6"}, {"question": "4+4=", "answer": "8"}]  # the test split, as cached
+    assert got["ROWS"] == [
+        {"question": "3+3=", "answer": "6"},
+        {"question": "4+4=", "answer": "8"},
+    ]  # the test split, as cached
     assert got["RUN"]["code"] == 0, got["RUN"]["err"]
     assert len(metrics_rows(tmp_path / "o1")) == 1
     run_config = json.loads((tmp_path / "o1" / "run_config.json").read_text())
@@ -482,8 +591,20 @@ def test_a_cached_hub_dataset_loads_offline_and_trains(tmp_path):
 
 # --------------------------------------------------------------------------- end to end, one per kind
 
-COMMON = ["--model", "tiny", "--max-steps", "1", "--set", "batch_size=2", "--set", "group_size=2", "--set", "max_new_tokens=4",
-          "--set", "progress=false"]
+COMMON = [
+    "--model",
+    "tiny",
+    "--max-steps",
+    "1",
+    "--set",
+    "batch_size=2",
+    "--set",
+    "group_size=2",
+    "--set",
+    "max_new_tokens=4",
+    "--set",
+    "progress=false",
+]
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -491,14 +612,30 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("method, rows, trained", [
-    # the tiny tokenizer has a template, so auto is chat: the trained tokens are the assistant turns / completions, EOS included
-    ("sft", [{"messages": [U("hi"), A("yo"), U("q?"), A("ok")]}, {"messages": [U("ab"), A("cd")]}], len("yo_ok_cd_")),
-    ("dpo", [{"chosen": "Sky? blue", "rejected": "Sky? red"}, {"chosen": "Grass? green", "rejected": "Grass? pink"}],
-     len(" blue_ red_ green_ pink_")),
-    ("kto", [{"prompt": "sky?", "completion": "blue", "label": True}, {"prompt": "sky?", "completion": "red", "label": False}],
-     len("blue_red_")),
-])
+@pytest.mark.parametrize(
+    "method, rows, trained",
+    [
+        # the tiny tokenizer has a template, so auto is chat: the trained tokens are the assistant turns / completions, EOS included
+        (
+            "sft",
+            [{"messages": [U("hi"), A("yo"), U("q?"), A("ok")]}, {"messages": [U("ab"), A("cd")]}],
+            len("yo_ok_cd_"),
+        ),
+        (
+            "dpo",
+            [{"chosen": "Sky? blue", "rejected": "Sky? red"}, {"chosen": "Grass? green", "rejected": "Grass? pink"}],
+            len(" blue_ red_ green_ pink_"),
+        ),
+        (
+            "kto",
+            [
+                {"prompt": "sky?", "completion": "blue", "label": True},
+                {"prompt": "sky?", "completion": "red", "label": False},
+            ],
+            len("blue_red_"),
+        ),
+    ],
+)
 def test_cli_trains_each_offline_kind(gcf, tmp_path, method, rows, trained):
     data = _jsonl(tmp_path / "d.jsonl", rows)
     code, _out, err = gcf("run", "--method", method, "--dataset", data, *COMMON, "--output-dir", str(tmp_path / "o"))
@@ -511,18 +648,32 @@ def test_cli_grpo_on_conversational_prompts_with_a_reward_file(gcf, tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": [U("say hi")]}, {"prompt": [U("say yo")]}])
     seen = tmp_path / "seen.json"
     reward = tmp_path / "conv_reward.py"
-    reward.write_text(textwrap.dedent(f'''
+    reward.write_text(
+        textwrap.dedent(f"""
         import json
         def conv(completions, prompts=None, **kw):
             with open({str(seen)!r}, "w") as fh:
                 json.dump({{"prompts": prompts, "completions": completions}}, fh)
             return [float(len(c[0]["content"])) for c in completions]
-    '''))
-    code, _out, err = gcf("run", "--method", "grpo", "--dataset", data, "--reward", f"{reward}:conv", *COMMON,
-                          "--output-dir", str(tmp_path / "o"))
+    """)
+    )
+    code, _out, err = gcf(
+        "run",
+        "--method",
+        "grpo",
+        "--dataset",
+        data,
+        "--reward",
+        f"{reward}:conv",
+        *COMMON,
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert code == 0, err
     assert len(metrics_rows(tmp_path / "o")) == 1
-    called = json.loads(seen.read_text())  # the reward saw message lists: the prompt's, and the completion as one assistant message
+    called = json.loads(
+        seen.read_text()
+    )  # the reward saw message lists: the prompt's, and the completion as one assistant message
     assert {p[0]["content"] for p in called["prompts"]} <= {"say hi", "say yo"}
     assert all(len(c) == 1 and c[0]["role"] == "assistant" for c in called["completions"])
 
@@ -531,5 +682,8 @@ def test_cli_refuses_sft_on_unpaired_rows_in_one_sentence(gcf, tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", ROWS["unpaired"][0])
     code, out, err = gcf("run", "--method", "sft", "--dataset", data, *COMMON, "--output-dir", str(tmp_path / "o"))
     assert code == 2
-    assert err.strip() == f"error: sft cannot train on {FOUND['unpaired-preference']} rows; it takes {TAKES['demonstrations']} rows."
+    assert (
+        err.strip()
+        == f"error: sft cannot train on {FOUND['unpaired-preference']} rows; it takes {TAKES['demonstrations']} rows."
+    )
     assert "Traceback" not in out + err

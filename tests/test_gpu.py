@@ -62,13 +62,18 @@ def test_compiled_cuda_rollout_equals_eager_and_is_reused():
     tok = tiny_tokenizer()
     model = tiny_model(len(tok), seed=1).cuda().eval()
     model.config._attn_implementation = "sdpa"
-    ids = [tok(p)["input_ids"] for p in ["<|user|>1+2\n<|assistant|>", "<|user|>33+4\n<|assistant|>", "<|user|>9\n<|assistant|>"]]
+    ids = [
+        tok(p)["input_ids"]
+        for p in ["<|user|>1+2\n<|assistant|>", "<|user|>33+4\n<|assistant|>", "<|user|>9\n<|assistant|>"]
+    ]
     assert decode.wanted(model, "auto")
     outs = {}
     for mode in ("off", "on", "on"):  # the second compiled call replays the captured graphs
         for greedy in (True, False):
             s = SamplingSettings(max_new_tokens=20, greedy=greedy, compile=mode)
-            outs.setdefault((mode, greedy), []).append(generate(model, tok, ids, 8, s, torch.Generator().manual_seed(0), [1, 40, 41]))
+            outs.setdefault((mode, greedy), []).append(
+                generate(model, tok, ids, 8, s, torch.Generator().manual_seed(0), [1, 40, 41])
+            )
     for greedy in (True, False):
         a, b, c = outs[("off", greedy)][0], *outs[("on", greedy)]
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(b.input_ids, c.input_ids)

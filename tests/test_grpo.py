@@ -37,9 +37,14 @@ def _two_row_batch(log_ratio: list[float], ref_log_rho: list[float]) -> dict:
     logps = torch.tensor([[0.0, -1.0, -2.0, -0.5]] * 2)  # [2, 4]
     lr = torch.tensor([0.0, *log_ratio])
     return {
-        "input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1, 1]] * 2), "rewards": torch.tensor([1.0, 0.0]), "valid": torch.tensor([True, True]),
-        "old_logps": logps - lr, "ref_logps": logps + torch.tensor([0.0, *ref_log_rho]), "logps": logps,
+        "input_ids": torch.zeros(2, 4, dtype=torch.long),
+        "attention_mask": torch.ones(2, 4, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1, 1]] * 2),
+        "rewards": torch.tensor([1.0, 0.0]),
+        "valid": torch.tensor([True, True]),
+        "old_logps": logps - lr,
+        "ref_logps": logps + torch.tensor([0.0, *ref_log_rho]),
+        "logps": logps,
     }
 
 
@@ -75,15 +80,23 @@ def test_advantages_by_hand():
     # even though 0.1 is not exact in binary (a naive std would be ~1e-17 and A = +-1).
     # group 3 (3 valid): mean 2/3, sample std sqrt(1/3): A = (1/3, -2/3, 1/3) / 0.577
     grpo = make(GRPO).group_advantages(rewards, valid)
-    want = torch.tensor([[s3, -s3, -s3, s3], [0, 0, 0, 0], [1 / 3 / 0.5773503, -2 / 3 / 0.5773503, 0, 1 / 3 / 0.5773503]])
+    want = torch.tensor(
+        [[s3, -s3, -s3, s3], [0, 0, 0, 0], [1 / 3 / 0.5773503, -2 / 3 / 0.5773503, 0, 1 / 3 / 0.5773503]]
+    )
     assert torch.allclose(grpo, want, atol=1e-5)
-    assert torch.allclose(make(GRPO, std="population").group_advantages(rewards[:1], valid[:1]), torch.tensor([[1.0, -1, -1, 1]]))
+    assert torch.allclose(
+        make(GRPO, std="population").group_advantages(rewards[:1], valid[:1]), torch.tensor([[1.0, -1, -1, 1]])
+    )
     # RLOO: 1 - (0 + 0 + 1)/3 = 2/3, 0 - (1 + 0 + 1)/3 = -2/3; group 3: 1 - (0 + 1)/2 = 0.5, 0 - (1 + 1)/2 = -1
     rloo = make(RLOO).group_advantages(rewards, valid)
-    assert torch.allclose(rloo, torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0, 0, 0, 0], [0.5, -1, 0, 0.5]]), atol=1e-6)
+    assert torch.allclose(
+        rloo, torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0, 0, 0, 0], [0.5, -1, 0, 0.5]]), atol=1e-6
+    )
     # Dr. GRPO: R - mean, no std: +-0.5; group 3: 1/3, -2/3
     dr = make(DrGRPO).group_advantages(rewards, valid)
-    assert torch.allclose(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5])) and torch.allclose(dr[2], torch.tensor([1 / 3, -2 / 3, 0, 1 / 3]))
+    assert torch.allclose(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5])) and torch.allclose(
+        dr[2], torch.tensor([1 / 3, -2 / 3, 0, 1 / 3])
+    )
 
 
 @pytest.mark.parametrize("cls", VARIANTS)
@@ -127,9 +140,14 @@ def _random_batch(n_groups=4, G=4, L=12, seed=0, with_old=True):
     valid = torch.ones(N, dtype=torch.bool)
     valid[2 * G + 1] = False  # a failed reward
     logps = -3 * torch.rand(N, L, generator=g) * loss_mask  # [N, L]
-    b = {"input_ids": torch.zeros(N, L, dtype=torch.long), "attention_mask": (pos < end).long(), "loss_mask": loss_mask,
-         "rewards": rewards, "valid": valid,
-         "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g)) * loss_mask}
+    b = {
+        "input_ids": torch.zeros(N, L, dtype=torch.long),
+        "attention_mask": (pos < end).long(),
+        "loss_mask": loss_mask,
+        "rewards": rewards,
+        "valid": valid,
+        "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g)) * loss_mask,
+    }
     if with_old:
         b["old_logps"] = (logps + 0.4 * torch.randn(N, L, generator=g)) * loss_mask
     return b, logps
@@ -188,7 +206,14 @@ def test_kl_clamp_is_in_objective_and_coefficient():
 
 @pytest.fixture(scope="module")
 def tiny_trainer(tmp_path_factory):
-    cfg = Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path_factory.mktemp("t")), mu=2, **{**FAST, "micro_batch_size": 3})
+    cfg = Config(
+        method="grpo",
+        model="tiny",
+        task="arithmetic",
+        output_dir=str(tmp_path_factory.mktemp("t")),
+        mu=2,
+        **{**FAST, "micro_batch_size": 3},
+    )
     return Trainer(cfg)
 
 
@@ -198,8 +223,12 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     m = tr.method
     batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(1)
-    batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape, generator=g) * batch["loss_mask"]
-    batch["ref_logps"] = batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
+    batch["old_logps"] = (
+        batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape, generator=g) * batch["loss_mask"]
+    )
+    batch["ref_logps"] = (
+        batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
+    )
     if not (batch["advantages"] != 0).any():
         batch["rewards"] = torch.arange(8.0) % 3  # the random model rarely scores: make the groups differ
         batch, _ = m.add_advantages(batch)
@@ -226,9 +255,18 @@ def test_prepare_computes_only_what_is_needed(tiny_trainer, tmp_path):
 
 def test_reference_refresh_and_exact_resume(tmp_path):
     """ref_refresh_every = 2: the reference copied after step 2 is in the checkpoint, so 2 + 1 steps == 3 steps."""
+
     def cfg(out, steps):
-        return Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(out), max_steps=steps,
-                      ref_refresh_every=2, lr=1e-3, **FAST)
+        return Config(
+            method="grpo",
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(out),
+            max_steps=steps,
+            ref_refresh_every=2,
+            lr=1e-3,
+            **FAST,
+        )
 
     straight = Trainer(cfg(tmp_path / "a", 3))
     straight.run()
@@ -247,7 +285,7 @@ def test_reference_refresh_and_exact_resume(tmp_path):
         assert torch.allclose(p, q, atol=1e-6)
 
 
-FLAKY = '''
+FLAKY = """
 calls = 0
 def flaky(prompts, completions, **columns):
     global calls
@@ -260,13 +298,22 @@ def flaky(prompts, completions, **columns):
 
 def broken(prompts, completions, **columns):
     raise ValueError("always")
-'''
+"""
 
 
 def test_raising_reward_masks_the_sample_and_is_counted(tmp_path):
     path = tmp_path / "my_rewards.py"
     path.write_text(FLAKY)
-    tr = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), reward=f"{path}:flaky", **FAST))
+    tr = Trainer(
+        Config(
+            method="grpo",
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(tmp_path / "run"),
+            reward=f"{path}:flaky",
+            **FAST,
+        )
+    )
     batch, stats = tr.method.collect(0)
     failed = ~batch["valid"]
     assert failed.tolist() == [i % 5 == 4 for i in range(8)]  # the 5th sample of 8
@@ -277,24 +324,56 @@ def test_raising_reward_masks_the_sample_and_is_counted(tmp_path):
 
 
 def _run_cli(args):
-    return CliRunner().invoke(main, ["run", "--model", "tiny", "--task", "arithmetic", "--max-steps", "2", *args, *[f"--set={k}={v}" for k, v in FAST.items()]])
+    return CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            "tiny",
+            "--task",
+            "arithmetic",
+            "--max-steps",
+            "2",
+            *args,
+            *[f"--set={k}={v}" for k, v in FAST.items()],
+        ],
+    )
 
 
 def test_reward_failing_everywhere_is_one_clear_error(tmp_path):
     (tmp_path / "my_rewards.py").write_text(FLAKY)
-    res = _run_cli(["--method", "grpo", "--output-dir", str(tmp_path / "run"), "--reward", f"{tmp_path / 'my_rewards.py'}:broken"])
+    res = _run_cli(
+        ["--method", "grpo", "--output-dir", str(tmp_path / "run"), "--reward", f"{tmp_path / 'my_rewards.py'}:broken"]
+    )
     assert res.exit_code == 2 and "reward function 'broken' failed on all 8 samples" in res.output
     assert "Traceback" not in res.output
 
 
-GRPO_METRICS = ["reward/mean", "reward/std", "reward/failed", "grpo/zero_std_frac", "grpo/clip_frac", "grpo/kl", "completion/length_mean",
-                "completion/truncated_frac", "entropy", "gc/mean", "gc/std", "gc/abs_mean", "gc/zero_frac", "loss", "grad_norm"]
+GRPO_METRICS = [
+    "reward/mean",
+    "reward/std",
+    "reward/failed",
+    "grpo/zero_std_frac",
+    "grpo/clip_frac",
+    "grpo/kl",
+    "completion/length_mean",
+    "completion/truncated_frac",
+    "entropy",
+    "gc/mean",
+    "gc/std",
+    "gc/abs_mean",
+    "gc/zero_frac",
+    "loss",
+    "grad_norm",
+]
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "dr-grpo", "dapo"])
 def test_cli_two_steps_log_the_metrics(tmp_path, name):
     (tmp_path / "my_rewards.py").write_text(FLAKY)
-    res = _run_cli(["--method", name, "--output-dir", str(tmp_path / "run"), "--reward", f"{tmp_path / 'my_rewards.py'}:flaky"])
+    res = _run_cli(
+        ["--method", name, "--output-dir", str(tmp_path / "run"), "--reward", f"{tmp_path / 'my_rewards.py'}:flaky"]
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -312,18 +391,27 @@ def test_methods_are_registered():
     assert Path(__file__).parent.parent.joinpath("docs", "adding-a-method.md").is_file()
 
 
-SEVENS = '''
+SEVENS = """
 def sevens(prompts, completions, **columns):
     return [c.count("7") / max(len(c), 1) for c in completions]
-'''
+"""
 
 
 @pytest.mark.slow
 def test_grpo_learns_a_simple_reward(tmp_path):
     """End to end, signs included: the fraction of '7's the tiny model writes rises from ~1%."""
     (tmp_path / "r.py").write_text(SEVENS)
-    cfg = Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), reward=f"{tmp_path / 'r.py'}:sevens",
-                 max_steps=12, lr=5e-3, beta=0.0, **{**FAST, "batch_size": 4, "group_size": 8, "micro_batch_size": 32})
+    cfg = Config(
+        method="grpo",
+        model="tiny",
+        task="arithmetic",
+        output_dir=str(tmp_path / "run"),
+        reward=f"{tmp_path / 'r.py'}:sevens",
+        max_steps=12,
+        lr=5e-3,
+        beta=0.0,
+        **{**FAST, "batch_size": 4, "group_size": 8, "micro_batch_size": 32},
+    )
     Trainer(cfg).run()
     rewards = [json.loads(x)["reward/mean"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rewards[0] < 0.05 and sum(rewards[-2:]) / 2 > 0.2, rewards

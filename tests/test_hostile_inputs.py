@@ -36,7 +36,9 @@ def _one_clear_line(code: int, out: str, err: str) -> str:
 def _subprocess(*args: str, cwd: Path) -> tuple[int, str, str]:
     """`python -m gcfamily ARGS` as a user runs it: every line the libraries print lands in the captured streams."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "default"}
-    res = subprocess.run([sys.executable, "-m", "gcfamily", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "gcfamily", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     return res.returncode, res.stdout, res.stderr
 
 
@@ -73,7 +75,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     (out["config-not-json"] / "config.json").write_text("{model_type: llama,,")
     (out["pickle-only"] / "model.safetensors").unlink()
     state = load_file(good / "model.safetensors")
-    (out["pickle-only"] / "pytorch_model.bin").write_bytes(pickle.dumps({"weights": state, "payload": _RunsCode(base / "UNPICKLED")}))
+    (out["pickle-only"] / "pytorch_model.bin").write_bytes(
+        pickle.dumps({"weights": state, "payload": _RunsCode(base / "UNPICKLED")})
+    )
     return out
 
 
@@ -88,10 +92,22 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "rewards.txt": b"def fn(completions, **kw):\n    return [0.0] * len(completions)\n",
         "broken.py": b"def fn(completions:\n    return [0.0]\n",
         "exits.py": b"import sys\nsys.exit(3)\n",
-        "rows.jsonl": "".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1), "answer": str(i + 1)}) + "\n" for i in range(4)).encode(),
-        "null-prompt.jsonl": (json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n" + json.dumps({"prompt": None, "completion": "2"}) + "\n").encode(),
+        "rows.jsonl": "".join(
+            json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1), "answer": str(i + 1)}) + "\n" for i in range(4)
+        ).encode(),
+        "null-prompt.jsonl": (
+            json.dumps({"prompt": "1+1=", "completion": "2"})
+            + "\n"
+            + json.dumps({"prompt": None, "completion": "2"})
+            + "\n"
+        ).encode(),
         # 990 characters: 993 tokens in tiny's chat format, under max_length=1000 but not with 64 new tokens in 1024 positions
-        "long-prompt.jsonl": (json.dumps({"prompt": "x" * 990, "answer": "2"}) + "\n" + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n").encode(),
+        "long-prompt.jsonl": (
+            json.dumps({"prompt": "x" * 990, "answer": "2"})
+            + "\n"
+            + json.dumps({"prompt": "1+1=", "answer": "2"})
+            + "\n"
+        ).encode(),
         "longer-than-context.jsonl": (json.dumps({"prompt": "x" * 3000, "answer": "2"}) + "\n").encode(),
     }
     for name, data in out.items():
@@ -103,7 +119,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_binary_recipe_is_one_line_in_a_real_process(files, tmp_path):
-    code, out, err = _subprocess("run", "--config", str(files["binary.yaml"]), "--output-dir", str(tmp_path / "o"), cwd=tmp_path)
+    code, out, err = _subprocess(
+        "run", "--config", str(files["binary.yaml"]), "--output-dir", str(tmp_path / "o"), cwd=tmp_path
+    )
     _one_clear_line(code, out, err)
     assert "binary.yaml" in err and "not text" in err, err
 
@@ -114,13 +132,24 @@ def test_recipe_keys_must_be_names(gcf, files, tmp_path):
 
 
 def test_a_recipe_alone_cannot_trust_remote_code(gcf, files, tmp_path):
-    err = _one_clear_line(*gcf("run", "--config", str(files["trusting.yaml"]), "--output-dir", str(tmp_path / "o"), *QUICK))
+    err = _one_clear_line(
+        *gcf("run", "--config", str(files["trusting.yaml"]), "--output-dir", str(tmp_path / "o"), *QUICK)
+    )
     assert "trust_remote_code" in err and "--trust-remote-code" in err, err
     assert not (tmp_path / "o").exists()
     # the flag (or --set on the command line) is the user's own word: the recipe's value is then accepted
     assert resolve(str(files["trusting.yaml"]), {"trust_remote_code": True}).trust_remote_code is True
     assert resolve(str(files["trusting.yaml"]), {"trust-remote-code": "true"}).trust_remote_code is True
-    code, out, err = gcf("run", "--config", str(files["trusting.yaml"]), "--trust-remote-code", "--set", "lr=-1", "--output-dir", str(tmp_path / "o"))
+    code, out, err = gcf(
+        "run",
+        "--config",
+        str(files["trusting.yaml"]),
+        "--trust-remote-code",
+        "--set",
+        "lr=-1",
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert "lr (learning rate)" in _one_clear_line(code, out, err)  # got past the trust check to the next setting
 
 
@@ -137,8 +166,22 @@ def test_a_recipe_alone_cannot_trust_remote_code(gcf, files, tmp_path):
     ],
 )
 def test_bad_reward_files(gcf, files, tmp_path, name, needles):
-    err = _one_clear_line(*gcf("run", "--method", "grpo", "--model", "tiny", "--reward", f"{files[name]}:fn", "--set", "group_size=2",
-                               "--output-dir", str(tmp_path / "o"), *QUICK))
+    err = _one_clear_line(
+        *gcf(
+            "run",
+            "--method",
+            "grpo",
+            "--model",
+            "tiny",
+            "--reward",
+            f"{files[name]}:fn",
+            "--set",
+            "group_size=2",
+            "--output-dir",
+            str(tmp_path / "o"),
+            *QUICK,
+        )
+    )
     assert all(n in err for n in needles), err
 
 
@@ -161,7 +204,9 @@ def test_damaged_model_folder_in_run_keeps_the_output_folder(gcf, folders, tmp_p
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "run_config.json").write_text("{}")
-    err = _one_clear_line(*gcf("run", "--method", "sft", "--model", str(folders[name]), "--output-dir", str(out), "--overwrite", *QUICK))
+    err = _one_clear_line(
+        *gcf("run", "--method", "sft", "--model", str(folders[name]), "--output-dir", str(out), "--overwrite", *QUICK)
+    )
     assert all(n in err for n in needles), err
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # --overwrite never got to clear the earlier run
     assert not loads and not (folders["good"].parent / "UNPICKLED").exists()
@@ -191,29 +236,69 @@ def test_the_undamaged_folder_loads(gcf, folders):
 
 
 def test_prompt_past_the_context_in_a_run(gcf, files, tmp_path):
-    args = ["run", "--method", "grpo", "--model", "tiny", "--dataset", str(files["long-prompt.jsonl"]), "--reward", "numeric", "--max-steps", "1",
-            "--set", "progress=false", "--set", "batch_size=2", "--set", "group_size=2", "--set", "max_length=1000", "--set", "max_new_tokens=64"]
+    args = [
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(files["long-prompt.jsonl"]),
+        "--reward",
+        "numeric",
+        "--max-steps",
+        "1",
+        "--set",
+        "progress=false",
+        "--set",
+        "batch_size=2",
+        "--set",
+        "group_size=2",
+        "--set",
+        "max_length=1000",
+        "--set",
+        "max_new_tokens=64",
+    ]
     err = _one_clear_line(*gcf(*args, "--output-dir", str(tmp_path / "o"), "--set", "long_prompts=error"))
     assert "993 tokens" in err and "max_new_tokens=64" in err and "1057" in err and "1024" in err, err
-    code, out, err = gcf(*args, "--output-dir", str(tmp_path / "skip"))  # the default, long_prompts=skip: skipped at setup and counted
+    code, out, err = gcf(
+        *args, "--output-dir", str(tmp_path / "skip")
+    )  # the default, long_prompts=skip: skipped at setup and counted
     assert code == 0, err
     assert json.loads((tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()[-1])["skipped_long_prompts"] >= 1
 
 
 def test_prompt_past_the_context_in_eval(gcf, files):
-    err = _one_clear_line(*gcf("eval", "--model", "tiny", "--dataset", str(files["longer-than-context.jsonl"]), "--reward", "numeric",
-                               "--max-new-tokens", "4"))
+    err = _one_clear_line(
+        *gcf(
+            "eval",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(files["longer-than-context.jsonl"]),
+            "--reward",
+            "numeric",
+            "--max-new-tokens",
+            "4",
+        )
+    )
     assert "max_new_tokens=4" in err and "1024" in err, err
 
 
 def test_max_length_past_the_context(gcf, tmp_path):
-    err = _one_clear_line(*gcf("run", "--method", "sft", "--model", "tiny", "--set", "max_length=5000", "--output-dir", str(tmp_path / "o")))
+    err = _one_clear_line(
+        *gcf(
+            "run", "--method", "sft", "--model", "tiny", "--set", "max_length=5000", "--output-dir", str(tmp_path / "o")
+        )
+    )
     assert "max_length=5000" in err and "1024" in err, err
 
 
 @pytest.mark.parametrize("setting", ["max_new_tokens=1000000000", "group_size=1000000000", "batch_size=1000000000"])
 def test_absurd_sizes(gcf, tmp_path, setting):
-    err = _one_clear_line(*gcf("run", "--method", "grpo", "--model", "tiny", "--set", setting, "--output-dir", str(tmp_path / "o")))
+    err = _one_clear_line(
+        *gcf("run", "--method", "grpo", "--model", "tiny", "--set", setting, "--output-dir", str(tmp_path / "o"))
+    )
     assert setting.split("=")[0] in err and "1000000000" in err, err
 
 
@@ -221,15 +306,42 @@ def test_absurd_sizes(gcf, tmp_path, setting):
 
 
 def test_chat_template_tripping_the_sandbox(gcf, files, tmp_path):
-    err = _one_clear_line(*gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(files["rows.jsonl"]),
-                               "--set", "chat_template={{ ().__class__.__mro__ }}", "--set", "chat_format=chat",
-                               "--output-dir", str(tmp_path / "o"), *QUICK))
+    err = _one_clear_line(
+        *gcf(
+            "run",
+            "--method",
+            "sft",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(files["rows.jsonl"]),
+            "--set",
+            "chat_template={{ ().__class__.__mro__ }}",
+            "--set",
+            "chat_format=chat",
+            "--output-dir",
+            str(tmp_path / "o"),
+            *QUICK,
+        )
+    )
     assert "chat template" in err and "unsafe" in err, err
 
 
 def test_null_prompt_in_a_later_row_names_the_row(gcf, files, tmp_path):
-    err = _one_clear_line(*gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(files["null-prompt.jsonl"]),
-                               "--output-dir", str(tmp_path / "o"), *QUICK))
+    err = _one_clear_line(
+        *gcf(
+            "run",
+            "--method",
+            "sft",
+            "--model",
+            "tiny",
+            "--dataset",
+            str(files["null-prompt.jsonl"]),
+            "--output-dir",
+            str(tmp_path / "o"),
+            *QUICK,
+        )
+    )
     assert "Row 1" in err and "'prompt'" in err, err
 
 

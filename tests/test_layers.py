@@ -36,8 +36,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("gcfamily.tasks",),
     ("gcfamily.methods",),
     ("gcfamily.run",),
-    ("gcfamily", "gcfamily.__main__", "gcfamily.cli", "gcfamily.api", "gcfamily.bench", "gcfamily.check",
-     "gcfamily.theory", "gcfamily.inspect_data"),
+    (
+        "gcfamily",
+        "gcfamily.__main__",
+        "gcfamily.cli",
+        "gcfamily.api",
+        "gcfamily.bench",
+        "gcfamily.check",
+        "gcfamily.theory",
+        "gcfamily.inspect_data",
+    ),
 ]
 
 
@@ -149,7 +157,9 @@ def test_no_import_circle() -> None:
 
 def test_few_top_level_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
-    assert len(top) <= 8, f"{len(top)} modules at the top of gcfamily/ ({', '.join(top)}); put new ones in a layer's folder"
+    assert len(top) <= 8, (
+        f"{len(top)} modules at the top of gcfamily/ ({', '.join(top)}); put new ones in a layer's folder"
+    )
 
 
 def test_the_checks_catch_a_planted_upward_import_and_circle(tmp_path: Path) -> None:
@@ -167,8 +177,15 @@ def test_the_checks_catch_a_planted_upward_import_and_circle(tmp_path: Path) -> 
     assert ["gcfamily.methods.grpo", "gcfamily.methods.ppo"] in circles(edges)
 
 
-@pytest.mark.parametrize("face", ["from gcfamily.config import Config", "from gcfamily.rollout import generate",
-                                  "from gcfamily.methods.base import Method", "from gcfamily.errors import GcfError"])
+@pytest.mark.parametrize(
+    "face",
+    [
+        "from gcfamily.config import Config",
+        "from gcfamily.rollout import generate",
+        "from gcfamily.methods.base import Method",
+        "from gcfamily.errors import GcfError",
+    ],
+)
 def test_public_names_import_from_their_faces(face: str) -> None:
     exec(face, {})
     import gcfamily

@@ -115,9 +115,7 @@ def test_wandb_init_failure_is_one_sentence(tmp_path, monkeypatch):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
     monkeypatch.setattr(wandb, "init", no_key)
-    with pytest.raises(
-        GcfError, match=r"could not start a W&B run \(No API key configured.*WANDB_MODE=offline"
-    ):
+    with pytest.raises(GcfError, match=r"could not start a W&B run \(No API key configured.*WANDB_MODE=offline"):
         RunLogger(tmp_path, report_to=["tensorboard", "wandb"])
     assert not (tmp_path / "tensorboard").exists()
 

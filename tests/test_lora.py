@@ -21,8 +21,18 @@ from conftest import assert_engine_grad_matches_objective
 pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = dict(model="tiny", task="arithmetic", batch_size=2, group_size=4, max_new_tokens=8, micro_batch_size=8, progress=False,
-            device="cpu", lora_r=4, lora_alpha=8.0)
+FAST = dict(
+    model="tiny",
+    task="arithmetic",
+    batch_size=2,
+    group_size=4,
+    max_new_tokens=8,
+    micro_batch_size=8,
+    progress=False,
+    device="cpu",
+    lora_r=4,
+    lora_alpha=8.0,
+)
 
 
 def _length_reward(prompts, completions, **columns):
@@ -50,8 +60,18 @@ def _adapters(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("method,kw", [("sft", {}), ("rft", {"reward_threshold": 0.0}), ("grpo", {"mu": 2, "beta": 0.1}), ("dpo", {}), ("ppo", {"mu": 2, "beta": 0.1}),
-                                       ("dr-grpo", {}), ("rloo", {})])
+@pytest.mark.parametrize(
+    "method,kw",
+    [
+        ("sft", {}),
+        ("rft", {"reward_threshold": 0.0}),
+        ("grpo", {"mu": 2, "beta": 0.1}),
+        ("dpo", {}),
+        ("ppo", {"mu": 2, "beta": 0.1}),
+        ("dr-grpo", {}),
+        ("rloo", {}),
+    ],
+)
 def test_adapter_gradient_equals_autograd_of_the_objective(tmp_path, method, kw):
     tr = _trainer(tmp_path, method, **kw)
     _perturb_adapters(tr.policy)
@@ -74,14 +94,18 @@ def test_reference_is_the_base_model_with_no_copy(tmp_path):
     tr = _trainer(tmp_path, "grpo", beta=0.1)
     ref = tr.method.ref
     assert isinstance(ref, AdapterOffReference)
-    assert not any(isinstance(m, torch.nn.Module) and m is not tr.policy for m in tr.method.owned_models())  # nothing held besides the policy
+    assert not any(
+        isinstance(m, torch.nn.Module) and m is not tr.policy for m in tr.method.owned_models()
+    )  # nothing held besides the policy
     _perturb_adapters(tr.policy)
     batch, _ = tr.method.data(0)
     got = tr.services.logprobs(ref, batch)
     base = tiny_model(len(tr.tokenizer), seed=0)  # the oracle: the untouched base model, built afresh
     want = tr.services.logprobs(base, batch)
     assert torch.allclose(got, want, atol=1e-5)
-    assert (tr.services.logprobs(tr.unwrapped_policy(), batch) - want).abs().max() > 1e-3  # while the policy itself moved
+    assert (
+        tr.services.logprobs(tr.unwrapped_policy(), batch) - want
+    ).abs().max() > 1e-3  # while the policy itself moved
 
 
 def test_ppo_critic_is_adapters_on_the_shared_base(tmp_path):
@@ -106,7 +130,9 @@ def test_lora_resume_is_bitwise_and_checkpoints_hold_only_adapters(tmp_path, met
     resumed.run()
     a, b = _adapters(straight.policy), _adapters(resumed.policy)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], v) for k, v in _adapters(_trainer(tmp_path / "c", method).policy).items())  # it trained
+    assert any(
+        not torch.equal(a[k], v) for k, v in _adapters(_trainer(tmp_path / "c", method).policy).items()
+    )  # it trained
     saved = load_file(str(tmp_path / "a" / method / "checkpoints" / "step-3" / "model.safetensors"))
     assert set(saved) == set(a)  # adapters only, not the base
 
@@ -122,16 +148,32 @@ def test_final_folder_holds_the_adapter_or_the_merged_model(tmp_path):
     ids = torch.randint(10, len(tr.tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, tr.unwrapped_policy()(input_ids=ids).logits, atol=1e-5)
-    assert any("lora_" in n for n, _ in tr.unwrapped_policy().named_parameters())  # merging a copy left the run's model alone
+    assert any(
+        "lora_" in n for n, _ in tr.unwrapped_policy().named_parameters()
+    )  # merging a copy left the run's model alone
     plain = _trainer(tmp_path / "p", "sft", max_steps=1)
     plain.run()
     assert (tmp_path / "p" / "sft" / "adapter_config.json").is_file()
     assert json.loads((tmp_path / "p" / "sft" / "adapter_config.json").read_text())["r"] == 4
 
 
-@pytest.mark.parametrize("sets,words", [(["strategy=fsdp2"], "FSDP2"), (["ref_refresh_every=2"], "refreshed"), (["lora_r=-1"], "lora_r")])
+@pytest.mark.parametrize(
+    "sets,words", [(["strategy=fsdp2"], "FSDP2"), (["ref_refresh_every=2"], "refreshed"), (["lora_r=-1"], "lora_r")]
+)
 def test_lora_refusals_are_one_sentence(gcf, tmp_path, sets, words):
-    args = ["run", "--method", "grpo", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "x"), "--set", "lora_r=4"]
+    args = [
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "x"),
+        "--set",
+        "lora_r=4",
+    ]
     for s in sets:
         args += ["--set", s]
     code, _, err = gcf(*args)
@@ -139,18 +181,55 @@ def test_lora_refusals_are_one_sentence(gcf, tmp_path, sets, words):
 
 
 def test_reward_model_refuses_lora(gcf, tmp_path):
-    code, _, err = gcf("run", "--method", "reward-model", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "x"), "--set", "lora_r=4")
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "reward-model",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "x"),
+        "--set",
+        "lora_r=4",
+    )
     assert code == 2 and "policy training only" in err
 
 
 def test_lora_under_ddp_equals_one_process(tmp_path):
     """SFT with LoRA on 2 gloo processes takes the step one process takes on the same global batch."""
-    common = ["--method", "sft", "--model", "tiny", "--max-steps", "2", "--set", "lora_r=4", "--set", "lr=1e-2", "--set", "batch_size=4",
-              "--set", "micro_batch_size=1", "--set", "progress=false", "--set", "device=cpu"]
+    common = [
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--set",
+        "lora_r=4",
+        "--set",
+        "lr=1e-2",
+        "--set",
+        "batch_size=4",
+        "--set",
+        "micro_batch_size=1",
+        "--set",
+        "progress=false",
+        "--set",
+        "device=cpu",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     gcf = [sys.executable, "-m", "gcfamily", "run"]
     for out, extra in [("one", []), ("two", ["--nproc", "2", "--strategy", "ddp"])]:
-        res = subprocess.run([*gcf, *common, *extra, "--output-dir", str(tmp_path / out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [*gcf, *common, *extra, "--output-dir", str(tmp_path / out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-2000:]
     a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))

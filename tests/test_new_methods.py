@@ -70,9 +70,15 @@ def rollout_batch(G=4, n=4, L=12, seed=0, old_noise=0.4):
     valid = torch.ones(N, dtype=torch.bool)
     valid[2 * G + 1] = False  # a failed reward
     logps = -3 * torch.rand(N, L, generator=g) * loss_mask  # [N, L]
-    batch = {"input_ids": torch.zeros(N, L, dtype=torch.long), "attention_mask": (pos < end).long(), "loss_mask": loss_mask,
-             "rewards": rewards, "valid": valid, "ref_logps": (logps + 0.5 * torch.randn(N, L, generator=g)) * loss_mask,
-             "old_logps": (logps + old_noise * torch.randn(N, L, generator=g)) * loss_mask}
+    batch = {
+        "input_ids": torch.zeros(N, L, dtype=torch.long),
+        "attention_mask": (pos < end).long(),
+        "loss_mask": loss_mask,
+        "rewards": rewards,
+        "valid": valid,
+        "ref_logps": (logps + 0.5 * torch.randn(N, L, generator=g)) * loss_mask,
+        "old_logps": (logps + old_noise * torch.randn(N, L, generator=g)) * loss_mask,
+    }
     return batch, logps
 
 
@@ -85,12 +91,24 @@ def pair_batch(P=6, L=12, seed=0):
     loss_mask = ((pos >= prompt) & (pos < end)).long()  # [B, L]
     ref = -3 * torch.rand(B, L, generator=g, dtype=torch.float64) * loss_mask
     logps = (ref + torch.randn(B, L, generator=g, dtype=torch.float64)).clamp(max=-0.05) * loss_mask
-    return {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": (pos < end).long(), "loss_mask": loss_mask,
-            "ref_logps": ref, "example_weight": torch.full((B,), 0.5)}, logps
+    return {
+        "input_ids": torch.zeros(B, L, dtype=torch.long),
+        "attention_mask": (pos < end).long(),
+        "loss_mask": loss_mask,
+        "ref_logps": ref,
+        "example_weight": torch.full((B,), 0.5),
+    }, logps
 
 
 def two_steps(tmp_path, cls, **extra):
-    cfg = Config(method=spec(cls), model="tiny", task="arithmetic", output_dir=str(tmp_path / "run"), max_steps=2, **{**FAST, **extra})
+    cfg = Config(
+        method=spec(cls),
+        model="tiny",
+        task="arithmetic",
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        **{**FAST, **extra},
+    )
     Trainer(cfg).run()
     return metrics_rows(tmp_path / "run")
 
@@ -109,11 +127,23 @@ def reward(tmp_path):
 
 def test_gspo_coefficient_by_hand():
     m = make(GSPO, group_size=2, std="population", epsilon=0.2, epsilon_high=0.2)
-    lr = torch.tensor([[math.log(2), 0.0], [math.log(0.9), math.log(0.9)], [math.log(0.5), math.log(0.125)], [math.log(2), -math.log(2)]])
+    lr = torch.tensor(
+        [
+            [math.log(2), 0.0],
+            [math.log(0.9), math.log(0.9)],
+            [math.log(0.5), math.log(0.125)],
+            [math.log(2), -math.log(2)],
+        ]
+    )
     logps = torch.full((4, 3), -1.0)
-    b = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3, dtype=torch.long),
-         "loss_mask": torch.tensor([[0, 1, 1]] * 4), "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
-         "valid": torch.ones(4, dtype=torch.bool), "old_logps": logps - torch.cat([torch.zeros(4, 1), lr], 1)}
+    b = {
+        "input_ids": torch.zeros(4, 3, dtype=torch.long),
+        "attention_mask": torch.ones(4, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1]] * 4),
+        "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        "valid": torch.ones(4, dtype=torch.bool),
+        "old_logps": logps - torch.cat([torch.zeros(4, 1), lr], 1),
+    }
     b, _ = m.add_advantages(b)
     assert b["advantages"].tolist() == [1.0, -1.0, -1.0, 1.0]  # each group (1, 0): mean 1/2, population std 1/2
     # row 0, A=+1: s = exp((ln2 + 0)/2) = 1.414 > 1.2: clipped high -> 0 on both tokens
@@ -185,9 +215,13 @@ def test_reinforce_advantages_by_hand():
     m.after_step(2)  # m_2 = 0.5 * 0.25 + 0.5 * 1 = 0.625; b_2 = 0.625 / (1 - 0.25) = 5/6
     assert m.baseline == pytest.approx(5 / 6, abs=1e-15)
     # scale_rewards=batch at b = 0: (1, 0, .5, .5) / sample std sqrt(0.5/3) = 0.40825
-    scaled = make(ReinforceBaseline, group_size=2, scale_rewards="batch").group_advantages(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), valid)
+    scaled = make(ReinforceBaseline, group_size=2, scale_rewards="batch").group_advantages(
+        torch.tensor([[1.0, 0.0], [0.5, 0.5]]), valid
+    )
     assert torch.allclose(scaled, torch.tensor([[1.0, 0.0], [0.5, 0.5]]) / math.sqrt(0.5 / 3))
-    b, stats = m.add_advantages({"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)})
+    b, stats = m.add_advantages(
+        {"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)}
+    )
     assert stats["reinforce/zero_std_frac"] == 0.0 and torch.allclose(b["advantages"], torch.full((4,), 0.3 - 5 / 6))
     # the step's mean is the global batch's: another process adds (sum 3, count 4), so (1 + 3) / 8 = 0.5 joins b
     m.pending, m.services = None, SimpleNamespace(all_sum=lambda t: t + torch.tensor([3.0, 4.0], dtype=t.dtype))
@@ -217,8 +251,18 @@ def test_reinforce_engine_gradient_equals_autograd():
 
 
 def reinforce_cfg(out, steps, reward):
-    return Config(method=spec(ReinforceBaseline), model="tiny", task="arithmetic", output_dir=str(out), max_steps=steps,
-                  reward=reward, lr=1e-3, beta=0.04, save_every=2, **FAST)
+    return Config(
+        method=spec(ReinforceBaseline),
+        model="tiny",
+        task="arithmetic",
+        output_dir=str(out),
+        max_steps=steps,
+        reward=reward,
+        lr=1e-3,
+        beta=0.04,
+        save_every=2,
+        **FAST,
+    )
 
 
 def test_reinforce_two_steps_and_bitwise_resume(tmp_path, reward):
@@ -229,7 +273,9 @@ def test_reinforce_two_steps_and_bitwise_resume(tmp_path, reward):
     assert straight.method.baseline_steps == 3 and straight.method.baseline != 0
     Trainer(reinforce_cfg(tmp_path / "b", 2, reward)).run()
     saved = torch.load(tmp_path / "b" / "checkpoints" / "step-2" / "state.pt", weights_only=False)["method"]
-    assert saved["baseline_steps"] == 2 and saved["baseline_ema"] == pytest.approx(rows[1]["reinforce/baseline"] * (1 - 0.9**2), rel=1e-12)
+    assert saved["baseline_steps"] == 2 and saved["baseline_ema"] == pytest.approx(
+        rows[1]["reinforce/baseline"] * (1 - 0.9**2), rel=1e-12
+    )
     resumed = Trainer(reinforce_cfg(tmp_path / "b", 3, reward), resume="latest")
     assert (resumed.method.baseline_ema, resumed.method.baseline_steps) == (saved["baseline_ema"], 2)
     resumed.run()
@@ -248,10 +294,15 @@ def fake_rollout(G=3):
     logps = torch.full((N, 3), -1.0, dtype=torch.float64) * torch.tensor([0, 1, 1])
     ref = logps.clone()
     ref[1, 1:] = -1 - L3  # prompt 0's best sample (index 1): Delta = 2 ln 3
-    return {"input_ids": torch.arange(N)[:, None].expand(N, 3).clone(), "attention_mask": torch.ones(N, 3, dtype=torch.long),
-            "loss_mask": torch.tensor([[0, 1, 1]] * N), "completions": [f"c{i}" for i in range(N)],
-            "rewards": torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 5.0, 1.0, 0.0]), "valid": torch.tensor([True] * 6 + [False, True, True]),
-            "fake_ref": ref}, logps
+    return {
+        "input_ids": torch.arange(N)[:, None].expand(N, 3).clone(),
+        "attention_mask": torch.ones(N, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1]] * N),
+        "completions": [f"c{i}" for i in range(N)],
+        "rewards": torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 5.0, 1.0, 0.0]),
+        "valid": torch.tensor([True] * 6 + [False, True, True]),
+        "fake_ref": ref,
+    }, logps
 
 
 def test_online_dpo_pairs_and_coefficient_by_hand():
@@ -262,13 +313,17 @@ def test_online_dpo_pairs_and_coefficient_by_hand():
     # prompt 0: rewards (0.2, 0.9, 0.5): best sample 1, worst 0. Prompt 1: all 0.3, skipped.
     # prompt 2: the 5.0 failed (valid False), so best is sample 7 (1.0) and worst sample 8 (0.0)
     assert pairs["completions"] == ["c1", "c0", "c3", "c3", "c7", "c8"]
-    assert pairs["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    assert (
+        pairs["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    )
     assert stats["online_dpo/reward_gap"] == pytest.approx((0.7 + 1.0) / 2)
     lp = logps[torch.tensor([1, 0, 3, 3, 7, 8])]
     # pair 0: h_w = 0.5 * 2 ln 3 = ln 3, h_l = 0: sigmoid(-ln 3) = 1/4, GC = beta / 4 = 1/8 on chosen, -1/8 on rejected
     # pair 2: h_w = h_l = 0: GC = beta * sigmoid(0) = 1/4, -1/4
     coef = m.coefficient(pairs, lp)
-    want = torch.tensor([[0, 1 / 8, 1 / 8], [0, -1 / 8, -1 / 8], [0, 1 / 4, 1 / 4], [0, -1 / 4, -1 / 4]], dtype=torch.float64)
+    want = torch.tensor(
+        [[0, 1 / 8, 1 / 8], [0, -1 / 8, -1 / 8], [0, 1 / 4, 1 / 4], [0, -1 / 4, -1 / 4]], dtype=torch.float64
+    )
     assert torch.allclose(coef[[0, 1, 4, 5]], want)
     assert engine.normaliser([pairs], m.norm) == 2.0  # Z counts the two pairs formed, not the skipped one
     want, got, _ = grads(m, pairs, lp, micro=2)
@@ -276,16 +331,30 @@ def test_online_dpo_pairs_and_coefficient_by_hand():
 
 
 def test_online_dpo_engine_gradient_through_the_tiny_model(tmp_path, reward):
-    tr = Trainer(Config(method=spec(OnlineDPO), model="tiny", task="arithmetic", output_dir=str(tmp_path / "x"), reward=reward,
-                        **{**FAST, "batch_size": 3, "micro_batch_size": 4}))
+    tr = Trainer(
+        Config(
+            method=spec(OnlineDPO),
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(tmp_path / "x"),
+            reward=reward,
+            **{**FAST, "batch_size": 3, "micro_batch_size": 4},
+        )
+    )
     m = tr.method
     rollout, _ = m.data(0)
-    rollout["rewards"] = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 0.0, 0.0, 4.0])  # prompt 1's group is all equal
+    rollout["rewards"] = torch.tensor(
+        [0.0, 2.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 0.0, 0.0, 4.0]
+    )  # prompt 1's group is all equal
     batch, stats = m.prepare(rollout)
-    assert batch["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    assert (
+        batch["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    )
     assert batch["rewards"].tolist() == [2.0, 0.0, 3.0, 3.0, 4.0, 0.0]
     g = torch.Generator().manual_seed(0)
-    batch["ref_logps"] = batch["ref_logps"] + 0.5 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
+    batch["ref_logps"] = (
+        batch["ref_logps"] + 0.5 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
+    )
     assert_engine_grad_matches_objective(tr, batch, micro=2)
     # the textbook: DPO's loss (Rafailov et al. eq. 7) averaged over the pairs formed, here on random log-probs
     lp = (batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g)) * batch["loss_mask"]
@@ -293,6 +362,7 @@ def test_online_dpo_engine_gradient_through_the_tiny_model(tmp_path, reward):
     def dpo_textbook(x):
         d = ((x - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)
         return -F.logsigmoid(0.1 * (d[0::2] - d[1::2]))[[0, 2]].mean()
+
     want, got, _ = grads(m, batch, lp, micro=2)
     assert torch.allclose(got, textbook_grad(dpo_textbook, lp), atol=1e-7) and torch.allclose(got, want, atol=1e-7)
 
@@ -310,20 +380,37 @@ def test_online_dpo_two_steps(tmp_path, reward):
 def test_kto_coefficient_and_z0_by_hand():
     m = make(KTO, beta=1.0, desirable_weight=1.0, undesirable_weight=2.0)
     logps = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], dtype=torch.float64)
-    b = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
-         "loss_mask": torch.tensor([[0, 1, 1]] * 2), "ref_logps": logps - torch.tensor([0, L3 / 2, L3 / 2]),
-         "desirable": torch.tensor([True, False]), "kto_z0": 0.0}
+    b = {
+        "input_ids": torch.zeros(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1]] * 2),
+        "ref_logps": logps - torch.tensor([0, L3 / 2, L3 / 2]),
+        "desirable": torch.tensor([True, False]),
+        "kto_z0": 0.0,
+    }
     # r = ln 3 on both rows, z0 = 0, beta = 1.
     # desirable: s = sigmoid(ln 3) = 3/4, GC = 1 * 1 * (3/4)(1/4) = 3/16
     # undesirable: s = sigmoid(-ln 3) = 1/4, GC = -2 * 1 * (1/4)(3/4) = -3/8
-    assert torch.allclose(m.coefficient(b, logps), torch.tensor([[0, 3 / 16, 3 / 16], [0, -3 / 8, -3 / 8]], dtype=torch.float64))
+    assert torch.allclose(
+        m.coefficient(b, logps), torch.tensor([[0, 3 / 16, 3 / 16], [0, -3 / 8, -3 / 8]], dtype=torch.float64)
+    )
     # z0: prepare's mismatched rows have sum_t log(pi/pi_ref) of 0.6 and -0.2 -> mean 0.2; with -0.6 and 0.2 it is clamped to 0
     for kl, z0 in [((0.6, -0.2), 0.2), ((-0.6, 0.2), 0.0)]:
-        kl_batch = {"loss_mask": torch.tensor([[0, 1, 1]] * 2), "pi": torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]),
-                    "ref": torch.zeros(2, 3)}
-        m.services, m.ref = SimpleNamespace(logprobs=lambda model, x: x[model], policy=lambda: "pi", all_sum=lambda t: t), "ref"
+        kl_batch = {
+            "loss_mask": torch.tensor([[0, 1, 1]] * 2),
+            "pi": torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]),
+            "ref": torch.zeros(2, 3),
+        }
+        m.services, m.ref = (
+            SimpleNamespace(logprobs=lambda model, x: x[model], policy=lambda: "pi", all_sum=lambda t: t),
+            "ref",
+        )
         out, stats = m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})
-        assert out["kto_z0"] == pytest.approx(z0) and stats["kto/kl"] == pytest.approx(sum(kl) / 2) and "kl_batch" not in out
+        assert (
+            out["kto_z0"] == pytest.approx(z0)
+            and stats["kto/kl"] == pytest.approx(sum(kl) / 2)
+            and "kl_batch" not in out
+        )
     # over every process: another one's two rows sum to 1.0, so z0 = (-0.6 + 0.2 + 1.0) / 4 = 0.15
     m.services.all_sum = lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype)
     assert m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})[0]["kto_z0"] == pytest.approx(0.15)
@@ -349,7 +436,9 @@ def test_kto_engine_gradient_equals_autograd():
     want, got, Z = grads(m, batch, logps)
     assert Z == 12.0 and torch.allclose(got, want)
     assert torch.allclose(got, textbook_grad(lambda x: kto_textbook(batch, x, 0.5, 1.0, 1.5), logps))
-    assert (got[batch["desirable"]].sum(-1) < 0).all() and (got[~batch["desirable"]].sum(-1) > 0).all()  # d loss: down / up
+    assert (got[batch["desirable"]].sum(-1) < 0).all() and (
+        got[~batch["desirable"]].sum(-1) > 0
+    ).all()  # d loss: down / up
 
 
 def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
@@ -362,8 +451,10 @@ def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
         c = ex[(j + 1) % len(ex)][1]
         assert b["kl_batch"]["input_ids"][j, : len(p) + len(c)].tolist() == p + c
     data = tmp_path / "kto.jsonl"
-    data.write_text('{"prompt": "1+1=", "completion": "2", "label": true}\n{"prompt": "2+2=", "completion": "5", "label": false}\n'
-                    '{"prompt": "3+3=", "completion": "6", "label": true}\n{"prompt": "1+2=", "completion": "4", "label": false}\n')
+    data.write_text(
+        '{"prompt": "1+1=", "completion": "2", "label": true}\n{"prompt": "2+2=", "completion": "5", "label": false}\n'
+        '{"prompt": "3+3=", "completion": "6", "label": true}\n{"prompt": "1+2=", "completion": "4", "label": false}\n'
+    )
     rows = two_steps(tmp_path / "file", KTO, dataset=str(data))
     assert all(r["kto/desirable_frac"] in (0.0, 0.5, 1.0) for r in rows)
     data.write_text('{"prompt": "1+1=", "completion": "2", "label": "yes"}\n')
@@ -377,8 +468,12 @@ def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
 def test_orpo_coefficient_by_hand():
     m = make(ORPO, orpo_lambda=0.5)
     logps = torch.tensor([[0.0, math.log(0.5), math.log(0.5)], [0.0, math.log(0.2), 0.0]], dtype=torch.float64)
-    b = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
-         "loss_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "example_weight": torch.full((2,), 0.5)}
+    b = {
+        "input_ids": torch.zeros(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]),
+        "example_weight": torch.full((2,), 0.5),
+    }
     # chosen: mean log-prob ln 0.5, P = 1/2, odds 1, log odds 0; rejected (1 token): P = 0.2, odds 1/4, log odds -ln 4
     # z = ln 4, sigmoid(-z) = 1/5. chosen GC = (1 + 0.5 * (1/5) / (1/2)) / 2 = 0.6; rejected GC = -0.5 * (1/5) / (0.8 * 1) = -0.125
     assert torch.allclose(m.coefficient(b, logps), torch.tensor([[0, 0.6, 0.6], [0, -0.125, 0]], dtype=torch.float64))
@@ -403,7 +498,9 @@ def test_orpo_engine_gradient_equals_autograd(seed):
     want, got, Z = grads(m, batch, logps)
     assert Z == 6.0 and torch.allclose(got, want)
     assert torch.allclose(got, textbook_grad(lambda x: orpo_textbook(batch, x, 0.3), logps))
-    assert (got[1::2] * batch["loss_mask"][1::2] >= 0).all() and (got[0::2].sum(-1) < 0).all()  # rejected pushed down, chosen up
+    assert (got[1::2] * batch["loss_mask"][1::2] >= 0).all() and (
+        got[0::2].sum(-1) < 0
+    ).all()  # rejected pushed down, chosen up
 
 
 def test_orpo_two_steps(tmp_path):

@@ -15,8 +15,16 @@ pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build
 def model() -> Qwen2ForCausalLM:
     # Qwen2: q/k/v projections carry a bias; tied head and embedding share one weight.
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     m = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in m.model.layers:
@@ -94,7 +102,9 @@ def test_linear_equals_f_linear(dtype):
     x, w, b = torch.randn(7, 16, dtype=dtype), torch.randn(40, 16, dtype=dtype), torch.randn(40, dtype=dtype)
     for bias in (None, b):
         torch.testing.assert_close(onednn.linear(x, w, bias), nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(onednn.linear(x, w.t().contiguous().t()), x @ w.t(), rtol=1e-5, atol=1e-5)  # strided weight
+    torch.testing.assert_close(
+        onednn.linear(x, w.t().contiguous().t()), x @ w.t(), rtol=1e-5, atol=1e-5
+    )  # strided weight
 
 
 def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
@@ -112,16 +122,32 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
     real = rollout.packed_linears
 
     @contextlib.contextmanager
-    def spy(m, rows):  # whether the rollout runs on packed weights (its own, or its evaluation's packed for all its batches)
+    def spy(
+        m, rows
+    ):  # whether the rollout runs on packed weights (its own, or its evaluation's packed for all its batches)
         with real(m, rows) as k:
             counts.setdefault(flag, []).append(sum("forward" in x.__dict__ for x in m.modules()))
             yield k
 
     monkeypatch.setattr(rollout, "packed_linears", spy)
     for flag in (True, False):
-        Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / str(flag)), max_steps=1, batch_size=2,
-                       group_size=2, max_new_tokens=4, eval_at_ends=True, eval_samples=4, progress=False, save_every=0,
-                       rollout_pack_weights=flag)).run()
+        Trainer(
+            Config(
+                method="grpo",
+                model="tiny",
+                task="arithmetic",
+                output_dir=str(tmp_path / str(flag)),
+                max_steps=1,
+                batch_size=2,
+                group_size=2,
+                max_new_tokens=4,
+                eval_at_ends=True,
+                eval_samples=4,
+                progress=False,
+                save_every=0,
+                rollout_pack_weights=flag,
+            )
+        ).run()
     assert len(counts[True]) >= 3 and all(k > 0 for k in counts[True])  # evaluation, the step's rollout, evaluation
     assert len(counts[False]) >= 3 and all(k == 0 for k in counts[False])
     with torch.no_grad(), packed_linears(model, 4) as n:  # the default is back after the run
@@ -147,9 +173,23 @@ def test_an_evaluation_packs_the_weights_once_for_all_its_batches(model, monkeyp
     monkeypatch.setattr(onednn, "_pack", lambda w, rows: packs.append(w.data_ptr()) or real(w, rows))
     rows = [{"prompt": f"{i} {i + 1} {i + 2}", "answer": "x"} for i in range(7)]
     weights = {m.weight.data_ptr() for m in _linears(model)}  # the tied head packs with the embedding once
-    evaluate_rows(model, Formatter(Tok()), rows, lambda prompts, completions, **kw: [0.0] * len(completions), max_new_tokens=3, batch_size=3)
+    evaluate_rows(
+        model,
+        Formatter(Tok()),
+        rows,
+        lambda prompts, completions, **kw: [0.0] * len(completions),
+        max_new_tokens=3,
+        batch_size=3,
+    )
     assert sorted(packs) == sorted(weights)  # three batches, each weight packed once
     packs.clear()
-    sampled_pass_at_k(model, Formatter(Tok()), rows, lambda prompts, completions, **kw: [0.0] * len(completions), k=2, max_new_tokens=3,
-                      batch_prompts=2)
+    sampled_pass_at_k(
+        model,
+        Formatter(Tok()),
+        rows,
+        lambda prompts, completions, **kw: [0.0] * len(completions),
+        k=2,
+        max_new_tokens=3,
+        batch_prompts=2,
+    )
     assert sorted(packs) == sorted(weights)  # four batches

@@ -35,7 +35,9 @@ def make(**settings) -> PPO:
 def test_gae_by_hand():
     """Rows are [left-padded prompt | completion | right pad], as the rollout lays them out."""
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
-    values = torch.tensor([[9.0, 9.0, 0.5, 0.4, 0.8, 9.0], [9.0, 0.2, -0.1, 9.0, 9.0, 9.0]])  # 9 = junk outside the mask
+    values = torch.tensor(
+        [[9.0, 9.0, 0.5, 0.4, 0.8, 9.0], [9.0, 0.2, -0.1, 9.0, 9.0, 9.0]]
+    )  # 9 = junk outside the mask
     rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
     # row 0, gamma*lam = 0.45; the state after the last token is terminal (V = 0):
@@ -60,15 +62,21 @@ def test_gae_by_hand():
 
 def test_token_rewards_terminal_and_kl_in_reward_by_hand():
     m = make(beta=0.1, kl_placement="reward")
-    batch = {"loss_mask": torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]), "rewards": torch.tensor([2.0, 5.0]),
-             "valid": torch.tensor([True, False]), "ref_logps": torch.tensor([[0, -1.0, -2.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]])}
+    batch = {
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]),
+        "rewards": torch.tensor([2.0, 5.0]),
+        "valid": torch.tensor([True, False]),
+        "ref_logps": torch.tensor([[0, -1.0, -2.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]]),
+    }
     old = torch.tensor([[0, -1.5, -1.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]])
     r = m.token_rewards(batch, old)
     # row 0: -beta * log(pi_old/pi_ref) = -0.1 * (-0.5, 1.0, 0.0) = (0.05, -0.1, 0), and R = 2 on the last token
     # row 1: its reward failed (valid False), so no terminal reward; pi_old == pi_ref so no KL penalty
     want = torch.tensor([[0, 0.05, -0.1, 2.0, 0], [0, 0, 0, 0, 0]])
     assert torch.allclose(r, want, atol=1e-6)
-    assert torch.equal(make(beta=0.1).token_rewards(batch, old)[0], torch.tensor([0, 0, 0, 2.0, 0]))  # KL in the loss instead
+    assert torch.equal(
+        make(beta=0.1).token_rewards(batch, old)[0], torch.tensor([0, 0, 0, 2.0, 0])
+    )  # KL in the loss instead
 
 
 def test_whitening_and_explained_variance_by_hand():
@@ -111,9 +119,14 @@ def _random_batch(N=12, L=10, seed=0, with_old=True):
     logps = -3 * torch.rand(N, L, generator=g, dtype=torch.float64) * loss_mask  # [N, L]
     valid = torch.ones(N, dtype=torch.bool)
     valid[3] = False
-    b = {"input_ids": torch.zeros(N, L, dtype=torch.long), "attention_mask": (pos < end).long(), "loss_mask": loss_mask, "valid": valid,
-         "advantages": torch.randn(N, L, generator=g, dtype=torch.float64) * loss_mask,
-         "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask}
+    b = {
+        "input_ids": torch.zeros(N, L, dtype=torch.long),
+        "attention_mask": (pos < end).long(),
+        "loss_mask": loss_mask,
+        "valid": valid,
+        "advantages": torch.randn(N, L, generator=g, dtype=torch.float64) * loss_mask,
+        "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask,
+    }
     if with_old:
         b["old_logps"] = (logps + 0.4 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask
     return b, logps
@@ -165,8 +178,18 @@ def test_one_pass_has_ratio_one_and_kl_in_reward_has_no_loss_term():
 
 @pytest.fixture(scope="module")
 def tiny_trainer(tmp_path_factory):
-    cfg = Config(method="ppo", model="tiny", task="arithmetic", output_dir=str(tmp_path_factory.mktemp("ppo")), beta=0.0, device="cpu",
-                 gamma=1.0, lam=1.0, critic_lr=3e-3, **{**FAST, "micro_batch_size": 3})
+    cfg = Config(
+        method="ppo",
+        model="tiny",
+        task="arithmetic",
+        output_dir=str(tmp_path_factory.mktemp("ppo")),
+        beta=0.0,
+        device="cpu",
+        gamma=1.0,
+        lam=1.0,
+        critic_lr=3e-3,
+        **{**FAST, "micro_batch_size": 3},
+    )
     return Trainer(cfg)
 
 
@@ -189,9 +212,13 @@ def test_prepare_at_the_start(tiny_trainer):
 def test_critic_step_is_one_per_optimizer_step_and_independent_of_micro_batching(tiny_trainer):
     m = tiny_trainer.method
     batch, _ = m.prepare(m.data(1)[0])
-    batch["returns"] = torch.rand(batch["returns"].shape, generator=torch.Generator().manual_seed(0)) * batch["loss_mask"]
+    batch["returns"] = (
+        torch.rand(batch["returns"].shape, generator=torch.Generator().manual_seed(0)) * batch["loss_mask"]
+    )
     seen = []
-    handle = m.critic_optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append([p.grad.clone() for p in m.critic.parameters()]))
+    handle = m.critic_optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append([p.grad.clone() for p in m.critic.parameters()])
+    )
     state = copy.deepcopy(m.state_dict())
     try:
         for size in (3, 8):
@@ -205,7 +232,9 @@ def test_critic_step_is_one_per_optimizer_step_and_independent_of_micro_batching
     assert len(seen) == 2  # one critic step for each grouping, whatever the number of micro-batches
     for a, b in zip(*seen):
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-4)
-    assert out["ppo/critic_param_mb"] > 0 and out["ppo/critic_optimizer_mb"] == pytest.approx(2 * out["ppo/critic_param_mb"], rel=1e-3)  # Adam: m and v
+    assert out["ppo/critic_param_mb"] > 0 and out["ppo/critic_optimizer_mb"] == pytest.approx(
+        2 * out["ppo/critic_param_mb"], rel=1e-3
+    )  # Adam: m and v
 
 
 def test_value_loss_falls_on_fixed_returns(tiny_trainer):
@@ -213,7 +242,9 @@ def test_value_loss_falls_on_fixed_returns(tiny_trainer):
     state = copy.deepcopy(m.state_dict())
     batch, _ = m.prepare(m.data(2)[0])
     g = torch.Generator().manual_seed(1)
-    batch["returns"] = (torch.randn(batch["returns"].shape[0], 1, generator=g) * batch["loss_mask"]).float()  # fixed targets
+    batch["returns"] = (
+        torch.randn(batch["returns"].shape[0], 1, generator=g) * batch["loss_mask"]
+    ).float()  # fixed targets
     losses = []
     for _ in range(40):
         batch["values"] = m.critic_values(batch) * batch["loss_mask"]  # V_old of each new "rollout"
@@ -230,7 +261,10 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     m = tr.method
     batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(2)
-    batch["old_logps"] = tr.services.logprobs(tr.policy, batch, 1.0) + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+    batch["old_logps"] = (
+        tr.services.logprobs(tr.policy, batch, 1.0)
+        + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+    )
     batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=g) * engine.effective_mask(batch)
     from conftest import assert_engine_grad_matches_objective
 
@@ -242,8 +276,20 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
 
 def test_exact_resume_restores_the_critic(tmp_path):
     """2 steps, then 1 more from the checkpoint == 3 steps straight: the critic and its Adam state are in it."""
+
     def cfg(out, steps):
-        return Config(method="ppo", model="tiny", task="arithmetic", output_dir=str(out), max_steps=steps, lr=1e-3, critic_lr=1e-3, mu=2, device="cpu", **FAST)
+        return Config(
+            method="ppo",
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(out),
+            max_steps=steps,
+            lr=1e-3,
+            critic_lr=1e-3,
+            mu=2,
+            device="cpu",
+            **FAST,
+        )
 
     straight = Trainer(cfg(tmp_path / "a", 3))
     straight.run()
@@ -259,15 +305,46 @@ def test_exact_resume_restores_the_critic(tmp_path):
 
 
 def _run_cli(tmp_path, *args):
-    return CliRunner().invoke(main, ["run", "--method", "ppo", "--model", "tiny", "--task", "arithmetic", "--max-steps", "2",
-                                     "--output-dir", str(tmp_path / "run"), *args, *[f"--set={k}={v}" for k, v in FAST.items()]])
+    return CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--method",
+            "ppo",
+            "--model",
+            "tiny",
+            "--task",
+            "arithmetic",
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(tmp_path / "run"),
+            *args,
+            *[f"--set={k}={v}" for k, v in FAST.items()],
+        ],
+    )
 
 
-PPO_METRICS = ["loss", "grad_norm", "reward/mean", "ppo/clip_frac", "ppo/value_loss", "ppo/vf_clip_frac", "ppo/explained_variance",
-               "ppo/critic_memory_mb", "ppo/critic_param_mb", "ppo/critic_optimizer_mb", "ppo/kl", "gc/mean", "entropy"]
+PPO_METRICS = [
+    "loss",
+    "grad_norm",
+    "reward/mean",
+    "ppo/clip_frac",
+    "ppo/value_loss",
+    "ppo/vf_clip_frac",
+    "ppo/explained_variance",
+    "ppo/critic_memory_mb",
+    "ppo/critic_param_mb",
+    "ppo/critic_optimizer_mb",
+    "ppo/kl",
+    "gc/mean",
+    "entropy",
+]
 
 
-@pytest.mark.parametrize("extra", [[], ["--set=mu=2", "--set=num_minibatches=2", "--set=kl_placement=reward", "--set=gamma=0.99"]])
+@pytest.mark.parametrize(
+    "extra", [[], ["--set=mu=2", "--set=num_minibatches=2", "--set=kl_placement=reward", "--set=gamma=0.99"]]
+)
 def test_cli_two_steps_log_the_metrics(tmp_path, extra):
     res = _run_cli(tmp_path, *extra)
     assert res.exit_code == 0, res.output

@@ -13,7 +13,9 @@ from gcfamily.models import tiny_model, tiny_tokenizer
 from gcfamily.core.onednn import packed_linears
 from gcfamily.run.trainer import Trainer
 
-SFT = dict(method="sft", model="tiny", task="arithmetic", batch_size=4, micro_batch_size=2, progress=False, device="cpu")
+SFT = dict(
+    method="sft", model="tiny", task="arithmetic", batch_size=4, micro_batch_size=2, progress=False, device="cpu"
+)
 
 
 def _train(out, **kw):
@@ -114,10 +116,35 @@ def test_settings_that_cannot_train_exactly_are_one_sentence():
 
 
 def test_cli_refuses_float16_and_bf16_masters_with_float32_compute(gcf, tmp_path):
-    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "a"), "--set", "dtype=float16")
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "a"),
+        "--set",
+        "dtype=float16",
+    )
     assert code == 2 and err.strip().startswith("error:") and "loss scaling" in err and "Traceback" not in err
-    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "b"),
-                       "--set", "master_dtype=bfloat16", "--set", "dtype=float32")
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "b"),
+        "--set",
+        "master_dtype=bfloat16",
+        "--set",
+        "dtype=float32",
+    )
     assert code == 2 and "pure bfloat16" in err
 
 
@@ -144,8 +171,23 @@ def test_bf16_compute_resume_is_bitwise(tmp_path):
 
 
 def test_grpo_step_under_bf16_compute(tmp_path):
-    tr = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path), max_steps=1, batch_size=2,
-                        group_size=4, max_new_tokens=8, micro_batch_size=4, mu=2, dtype="bfloat16", progress=False, device="cpu"))
+    tr = Trainer(
+        Config(
+            method="grpo",
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(tmp_path),
+            max_steps=1,
+            batch_size=2,
+            group_size=4,
+            max_new_tokens=8,
+            micro_batch_size=4,
+            mu=2,
+            dtype="bfloat16",
+            progress=False,
+            device="cpu",
+        )
+    )
     tr.run()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["skipped_steps"] == 0 and abs(row["grpo/kl"]) < 1e-3  # pi_ref and pi computed alike: KL ~ 0 at step 1

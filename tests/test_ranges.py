@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gcfamily.cli import main
 from gcfamily.config import INTERNAL, Config
 from gcfamily.methods import resolve
-from gcfamily.config.checks import validate
+from gcfamily.config import validate
 from gcfamily.errors import GcfError
 
 INF = math.inf
@@ -77,13 +77,18 @@ def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranges") / "out")
 
     def call(*args: str):
-        return CliRunner().invoke(main, ["run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", out, *args])
+        return CliRunner().invoke(
+            main, ["run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", out, *args]
+        )
 
     return call
 
 
-NUMERIC = sorted(f.name for f in dataclasses.fields(Config)
-                 if f.name not in INTERNAL and str(f.type).removeprefix("Optional[").removesuffix("]") in ("int", "float"))
+NUMERIC = sorted(
+    f.name
+    for f in dataclasses.fields(Config)
+    if f.name not in INTERNAL and str(f.type).removeprefix("Optional[").removesuffix("]") in ("int", "float")
+)
 
 
 def test_every_numeric_shared_setting_has_a_range_here():
@@ -111,7 +116,14 @@ def _inside(kind: str, lo: float, hi: float, lo_open: bool, hi_open: bool) -> st
     if kind == "int":
         return st.integers(min_value=int(lo), max_value=int(min(hi, lo + 1000)))
     top = min(hi, 1e6)
-    return st.floats(min_value=lo, max_value=top, exclude_min=lo_open, exclude_max=hi_open and top == hi, allow_nan=False, allow_infinity=False)
+    return st.floats(
+        min_value=lo,
+        max_value=top,
+        exclude_min=lo_open,
+        exclude_max=hi_open and top == hi,
+        allow_nan=False,
+        allow_infinity=False,
+    )
 
 
 def _text(value) -> str:
@@ -131,7 +143,11 @@ def test_out_of_range_values_are_one_error_line(run, data, name):
 @given(data=st.data(), name=st.sampled_from(NUMERIC))
 def test_in_range_values_pass(data, name):
     value = data.draw(_inside(*RANGES[name]), label=name)
-    others = {"batch_size": 1, "group_size": 1, "max_new_tokens": 1} if name in ("batch_size", "group_size", "max_new_tokens") else {}
+    others = (
+        {"batch_size": 1, "group_size": 1, "max_new_tokens": 1}
+        if name in ("batch_size", "group_size", "max_new_tokens")
+        else {}
+    )
     validate(resolve(None, {"model": "tiny", **others, name: _text(value)}))  # no GcfError
 
 
@@ -181,7 +197,10 @@ def test_non_finite_from_a_recipe(run, tmp_path, name, value):
         (["adam_betas=0.9"], "adam_betas=0.9 has the wrong type"),
         # each within its own cap, together past what a machine could allocate
         (["batch_size=2048", "group_size=1024"], "batch_size * group_size = 2097152 rows"),
-        (["batch_size=1024", "group_size=512", "max_new_tokens=8192"], "batch_size * group_size * max_new_tokens = 4294967296 tokens"),
+        (
+            ["batch_size=1024", "group_size=512", "max_new_tokens=8192"],
+            "batch_size * group_size * max_new_tokens = 4294967296 tokens",
+        ),
         (["stop_strings=['']"], "stop_strings must be a list of non-empty strings"),
         (["stop_strings=[1]"], "stop_strings must be a list of non-empty strings"),
     ],
@@ -193,6 +212,10 @@ def test_named_cases(run, sets, needle):
 
 def test_the_caps_leave_large_real_runs_alone():
     # 512 prompts x 16 samples x 32k tokens (a large GRPO step) and the longest contexts in use are allowed
-    validate(resolve(None, {"model": "tiny", "batch_size": 512, "group_size": 16, "max_new_tokens": 32768, "max_length": 131072}))
+    validate(
+        resolve(
+            None, {"model": "tiny", "batch_size": 512, "group_size": 16, "max_new_tokens": 32768, "max_length": 131072}
+        )
+    )
     with pytest.raises(GcfError, match="rows sampled per step"):
         validate(resolve(None, {"model": "tiny", "batch_size": 2**11, "group_size": 2**10}))

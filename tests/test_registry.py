@@ -59,10 +59,17 @@ def test_a_file_rule_pickles_and_has_the_same_module_name_in_a_new_process(monke
     monkeypatch.chdir(REPO)
     gspo = get_method(GSPO_SPEC)
     assert pickle.loads(pickle.dumps(gspo)) is gspo
-    code = ("import pickle, sys; from gcfamily.methods import get_method; cls = get_method(sys.argv[1]); "
-            "print(pickle.loads(bytes.fromhex(sys.argv[2])) is cls, cls.__module__)")
-    out = subprocess.run([sys.executable, "-c", code, GSPO_SPEC, pickle.dumps(gspo).hex()], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    code = (
+        "import pickle, sys; from gcfamily.methods import get_method; cls = get_method(sys.argv[1]); "
+        "print(pickle.loads(bytes.fromhex(sys.argv[2])) is cls, cls.__module__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, GSPO_SPEC, pickle.dumps(gspo).hex()],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", gspo.__module__]
 
@@ -72,7 +79,10 @@ def test_installed_packages_register_methods_by_entry_point(gcf, monkeypatch, tm
     site = tmp_path / "site"
     write(site / "gcf_plugin_rules.py", RULE.format(name="plugin-rule"))
     write(site / "gcf_plugin-0.1.dist-info" / "METADATA", "Metadata-Version: 2.1\nName: gcf-plugin\nVersion: 0.1\n")
-    write(site / "gcf_plugin-0.1.dist-info" / "entry_points.txt", "[gcfamily.methods]\nplugin-rule = gcf_plugin_rules:Rule\n")
+    write(
+        site / "gcf_plugin-0.1.dist-info" / "entry_points.txt",
+        "[gcfamily.methods]\nplugin-rule = gcf_plugin_rules:Rule\n",
+    )
     monkeypatch.syspath_prepend(str(site))
     assert installed_methods()["plugin-rule"] == ("gcf_plugin_rules:Rule", "gcf-plugin")
     cls = get_method("plugin-rule")
@@ -83,11 +93,15 @@ def test_installed_packages_register_methods_by_entry_point(gcf, monkeypatch, tm
     with pytest.raises(GcfError, match="plugin-rule"):  # an unknown name lists the installed ones too
         get_method("nope")
     # a broken entry point: the listing shows the others, then one error line names it
-    write(site / "gcf_plugin-0.1.dist-info" / "entry_points.txt",
-          "[gcfamily.methods]\nplugin-rule = gcf_plugin_rules:Rule\nbroken-rule = gcf_plugin_rules:Missing\n")
+    write(
+        site / "gcf_plugin-0.1.dist-info" / "entry_points.txt",
+        "[gcfamily.methods]\nplugin-rule = gcf_plugin_rules:Rule\nbroken-rule = gcf_plugin_rules:Missing\n",
+    )
     code, out, err = gcf("methods")
     assert code == 2 and "plugin-rule" in out and "grpo" in out
-    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: Method 'broken-rule' (entry point "), err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: Method 'broken-rule' (entry point "), (
+        err
+    )
     assert "has no attribute 'Missing'" in err
 
 
@@ -172,9 +186,15 @@ def test_gspo_gradient_equals_autograd_of_its_textbook_objective(monkeypatch):
     old = logps - log_s[:, None] + noise  # [B, L]
     ref = logps + 0.5 * torch.randn(B, L, generator=g)  # [B, L]
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 0.5, 0.0])
-    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": torch.ones(B, L, dtype=torch.long),
-             "loss_mask": mask.long(), "valid": torch.ones(B, dtype=torch.bool), "advantages": adv,
-             "old_logps": old, "ref_logps": ref}
+    batch = {
+        "input_ids": torch.zeros(B, L, dtype=torch.long),
+        "attention_mask": torch.ones(B, L, dtype=torch.long),
+        "loss_mask": mask.long(),
+        "valid": torch.ones(B, dtype=torch.bool),
+        "advantages": adv,
+        "old_logps": old,
+        "ref_logps": ref,
+    }
     # the branches: s_i = e^0.5 with A > 0 and e^-0.5 with A < 0 are clipped; the others are not, and s_i != 1
     s = torch.exp(((logps - old) * mask).sum(-1) / mask.sum(-1))
     clipped = ((adv > 0) & (s > 1.2)) | ((adv < 0) & (s < 0.8))
@@ -202,8 +222,20 @@ def test_gspo_from_its_file_trains_two_steps(gcf, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
     sets = {**FAST, "mu": 2}  # a second pass: pi_old != pi, so s_i != 1 and the clip can bind
-    code, _, err = gcf("run", "--method", GSPO_SPEC, "--model", "tiny", "--task", "arithmetic", "--max-steps", "2",
-                       "--output-dir", str(out), *[f"--set={k}={v}" for k, v in sets.items()])
+    code, _, err = gcf(
+        "run",
+        "--method",
+        GSPO_SPEC,
+        "--model",
+        "tiny",
+        "--task",
+        "arithmetic",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        *[f"--set={k}={v}" for k, v in sets.items()],
+    )
     assert code == 0, err
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

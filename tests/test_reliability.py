@@ -21,8 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp: Path, method: str = "sft", **kw) -> Config:
-    base = dict(method=method, model="tiny", task="arithmetic", max_steps=4, lr=1e-3, batch_size=4, micro_batch_size=2,
-                output_dir=str(tmp), progress=False, lr_schedule="cosine", warmup_steps=1, save_every=0)
+    base = dict(
+        method=method,
+        model="tiny",
+        task="arithmetic",
+        max_steps=4,
+        lr=1e-3,
+        batch_size=4,
+        micro_batch_size=2,
+        output_dir=str(tmp),
+        progress=False,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        save_every=0,
+    )
     base.update(kw)
     return Config(**base)
 
@@ -73,8 +85,15 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, extra):
 def _poison(trainer: Trainer, at) -> None:  # noqa: ANN001
     """The steps where at(step) holds get a NaN coefficient, hence a non-finite loss and gradient."""
     data, coefficient = trainer.method.data, trainer.method.coefficient
-    trainer.method.data = lambda step: {**data(step), "poison": bool(at(step))}
-    trainer.method.coefficient = lambda batch, logps: coefficient(batch, logps) * (float("nan") if batch.get("poison") else 1.0)
+
+    def poisoned(step: int):  # noqa: ANN202
+        batch, stats = data(step)
+        return {**batch, "poison": bool(at(step))}, stats
+
+    trainer.method.data = poisoned
+    trainer.method.coefficient = lambda batch, logps: (
+        coefficient(batch, logps) * (float("nan") if batch.get("poison") else 1.0)
+    )
 
 
 def test_forced_non_finite_step_is_skipped_and_counted(tmp_path):
@@ -112,10 +131,33 @@ def test_consecutive_non_finite_steps_stop_with_checkpoint_intact(tmp_path):
     assert all(torch.isfinite(v).all() and torch.equal(v, w3[k]) for k, v in w2.items())
 
 
-def _gcf_proc(out: Path, steps: int, extra_env: dict | None = None, resume: bool = False, *more: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--max-steps", str(steps),
-            "--output-dir", str(out), "--set", "lr=1e-3", "--set", "batch_size=4", "--set", "save_every=1",
-            "--set", "progress=false", "--set", "lr_schedule=cosine"]
+def _gcf_proc(
+    out: Path, steps: int, extra_env: dict | None = None, resume: bool = False, *more: str
+) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--max-steps",
+        str(steps),
+        "--output-dir",
+        str(out),
+        "--set",
+        "lr=1e-3",
+        "--set",
+        "batch_size=4",
+        "--set",
+        "save_every=1",
+        "--set",
+        "progress=false",
+        "--set",
+        "lr_schedule=cosine",
+    ]
     if resume:
         args.append("--resume")
     args += list(more)
@@ -137,7 +179,9 @@ def test_sigkill_during_checkpoint_write_then_resume_matches(tmp_path):
     out = tmp_path / "run"
     p = _gcf_proc(out, 4, {"GCF_TEST_CHECKPOINT_PAUSE": "30"})
     # the first checkpoint write pauses between its files and its marker: kill it right there
-    _wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-1-*/state.pt")) if (out / "checkpoints").exists() else False)
+    _wait_for(
+        lambda: any((out / "checkpoints").glob(".tmp-step-1-*/state.pt")) if (out / "checkpoints").exists() else False
+    )
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert not list((out / "checkpoints").glob("step-*"))  # nothing complete to pick up
@@ -145,10 +189,38 @@ def test_sigkill_during_checkpoint_write_then_resume_matches(tmp_path):
     r.wait(timeout=300)
     assert r.returncode != 0 and "No complete checkpoint" in r.stderr.read()
     # a second kill, now mid-write of step 2's checkpoint, after step 1's landed
-    q = subprocess.Popen([sys.executable, "-m", "gcfamily", "run", "--method", "sft", "--model", "tiny", "--max-steps", "4",
-                          "--output-dir", str(out), "--overwrite", "--set", "lr=1e-3", "--set", "batch_size=4",
-                          "--set", "save_every=1", "--set", "progress=false", "--set", "lr_schedule=cosine"],
-                         cwd=ROOT, env={**os.environ, "GCF_TEST_CHECKPOINT_PAUSE": "3"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    q = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gcfamily",
+            "run",
+            "--method",
+            "sft",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "4",
+            "--output-dir",
+            str(out),
+            "--overwrite",
+            "--set",
+            "lr=1e-3",
+            "--set",
+            "batch_size=4",
+            "--set",
+            "save_every=1",
+            "--set",
+            "progress=false",
+            "--set",
+            "lr_schedule=cosine",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "GCF_TEST_CHECKPOINT_PAUSE": "3"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-2-*/state.pt")))
     q.send_signal(signal.SIGKILL)
     q.wait(timeout=60)

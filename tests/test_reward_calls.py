@@ -29,12 +29,12 @@ SETS = [arg for k, v in FAST.items() for arg in ("--set", f"{k}={v}")]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # TRL's quickstart reward, as its documentation writes it
-QUICKSTART = '''
+QUICKSTART = """
 def reward_len(completions, **kwargs):
     return [-abs(20 - len(c)) for c in completions]
-'''
+"""
 
-REWARDS_PY = '''
+REWARDS_PY = """
 import os, pathlib, sys, time
 
 def chars(completions, **kwargs):
@@ -68,7 +68,7 @@ def hangs_once(completions, **kwargs):
         mark.write_text(str(os.getpid()))
         time.sleep(3600)
     return [1.0] * len(completions)
-'''
+"""
 
 
 @pytest.fixture
@@ -103,7 +103,9 @@ def _run_args(out: Path, *args: str) -> list[str]:
 def _trainer(tmp_path: Path, **kw):
     from gcfamily.run.trainer import Trainer
 
-    return Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "trainer"), **{**FAST, **kw}))
+    return Trainer(
+        Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path / "trainer"), **{**FAST, **kw})
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -143,7 +145,9 @@ def test_a_keyword_function_needing_a_missing_column_is_one_sentence():
     def needs_solution(completions, solution):
         return [1.0] * len(completions)
 
-    with pytest.raises(GcfError, match=r"reward function 'needs_solution' needs an argument 'solution'.*columns: answer"):
+    with pytest.raises(
+        GcfError, match=r"reward function 'needs_solution' needs an argument 'solution'.*columns: answer"
+    ):
         score(needs_solution, ["p"], ["c"], {"answer": ["1"]})
 
 
@@ -221,15 +225,29 @@ def test_several_rewards_weighted_sum_by_hand():
 
 def test_several_rewards_with_weights_through_gcf_run(gcf, tmp_path, rewards_py):
     out = tmp_path / "run"
-    code, _, err = gcf(*_run_args(out, "--reward", f"{rewards_py}:chars", "--reward", f"{rewards_py}:tokens",
-                                  "--set", "reward_weights=[1,0.5]", "--max-steps", "2"))
+    code, _, err = gcf(
+        *_run_args(
+            out,
+            "--reward",
+            f"{rewards_py}:chars",
+            "--reward",
+            f"{rewards_py}:tokens",
+            "--set",
+            "reward_weights=[1,0.5]",
+            "--max-steps",
+            "2",
+        )
+    )
     assert code == 0, err
     for row in _metrics(out):
         a, b = row["reward/chars/mean"], row["reward/tokens/mean"]
         assert a != b and {"reward/chars/std", "reward/tokens/std"} <= row.keys()
         # every sample valid, so the mean of the weighted sum is the weighted sum of the means
         assert row["reward/failed"] == 0 and row["reward/mean"] == pytest.approx(1 * a + 0.5 * b, rel=1e-6)
-    assert json.loads((out / "run_config.json").read_text())["reward"] == [f"{rewards_py}:chars", f"{rewards_py}:tokens"]
+    assert json.loads((out / "run_config.json").read_text())["reward"] == [
+        f"{rewards_py}:chars",
+        f"{rewards_py}:tokens",
+    ]
 
 
 def test_set_reward_list(gcf, tmp_path):
@@ -242,9 +260,13 @@ def test_set_reward_list(gcf, tmp_path):
 
 
 def test_reward_weights_length_mismatch_is_one_sentence(gcf, tmp_path):
-    code, _, err = gcf(*_run_args(tmp_path / "run", "--set", "reward=[numeric,exact]", "--set", "reward_weights=[1,2,3]"))
+    code, _, err = gcf(
+        *_run_args(tmp_path / "run", "--set", "reward=[numeric,exact]", "--set", "reward_weights=[1,2,3]")
+    )
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines() == ["error: Invalid setting: reward_weights has 3 values for 2 reward(s); give one weight per reward."]
+    assert err.strip().splitlines() == [
+        "error: Invalid setting: reward_weights has 3 values for 2 reward(s); give one weight per reward."
+    ]
 
 
 # --------------------------------------------------------------------------- a reward cannot take the run down
@@ -263,8 +285,13 @@ def test_sys_exit_in_a_reward_fails_its_samples(tmp_path, rewards_py):
 def test_sys_exit_everywhere_stops_with_one_line_naming_the_function(gcf, tmp_path, rewards_py):
     code, _, err = gcf(*_run_args(tmp_path / "run", "--reward", f"{rewards_py}:exits"))
     assert code == 2 and "Traceback" not in err  # a stop, never exit 0
-    assert err.strip().splitlines()[-1].startswith(
-        "error: reward function 'exits' failed on all 8 samples (first: reward function 'exits' raised SystemExit: 0 on sample 0)")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: reward function 'exits' failed on all 8 samples (first: reward function 'exits' raised SystemExit: 0 on sample 0)"
+        )
+    )
 
 
 def test_os_exit_in_a_reward_is_a_stop_naming_the_function_not_a_clean_exit(tmp_path, rewards_py):
@@ -272,12 +299,19 @@ def test_os_exit_in_a_reward_is_a_stop_naming_the_function_not_a_clean_exit(tmp_
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith(
-        "error: reward function 'hard_exit' failed on all 8 samples (first: reward function 'hard_exit' "
-        "ended the reward worker process with exit code 0"), res.stderr[-3000:]
+    assert (
+        res.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: reward function 'hard_exit' failed on all 8 samples (first: reward function 'hard_exit' "
+            "ended the reward worker process with exit code 0"
+        )
+    ), res.stderr[-3000:]
 
 
-def test_a_hanging_call_times_out_as_failed_and_the_next_call_gets_a_new_worker(tmp_path, rewards_py, monkeypatch, alarm):
+def test_a_hanging_call_times_out_as_failed_and_the_next_call_gets_a_new_worker(
+    tmp_path, rewards_py, monkeypatch, alarm
+):
     monkeypatch.setenv("GCF_TEST_MARK", str(tmp_path / "mark"))
     rewards = Rewards.from_specs([f"{rewards_py}:hangs_once", "numeric"], timeout=2)
     try:
@@ -294,8 +328,15 @@ def test_a_hanging_call_times_out_as_failed_and_the_next_call_gets_a_new_worker(
 
 
 def test_reward_timeout_from_the_command_line(tmp_path, rewards_py):
-    cmd = [sys.executable, "-m", "gcfamily", *_run_args(tmp_path / "run", "--reward", f"{rewards_py}:hangs", "--set", "reward_timeout=2")]
-    res = subprocess.run(cmd, cwd=ROOT, env={**ENV, "GCF_TEST_MARK": str(tmp_path / "mark")}, capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        *_run_args(tmp_path / "run", "--reward", f"{rewards_py}:hangs", "--set", "reward_timeout=2"),
+    ]
+    res = subprocess.run(
+        cmd, cwd=ROOT, env={**ENV, "GCF_TEST_MARK": str(tmp_path / "mark")}, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "reward function 'hangs' did not return within reward_timeout=2 s" in res.stderr.strip().splitlines()[-1]
 
@@ -304,9 +345,21 @@ def test_reward_timeout_from_the_command_line(tmp_path, rewards_py):
 def test_a_stop_while_a_reward_hangs_saves_a_checkpoint(tmp_path, rewards_py, sig, to_group):
     """SIGTERM to the trainer, or Ctrl-C (SIGINT to the whole process group, as a terminal sends it)."""
     out, mark = tmp_path / "run", tmp_path / "mark"
-    cmd = [sys.executable, "-m", "gcfamily", *_run_args(out, "--reward", f"{rewards_py}:hangs", "--set", "reward_timeout=3600", "--max-steps", "3")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "GCF_TEST_MARK": str(mark)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        *_run_args(out, "--reward", f"{rewards_py}:hangs", "--set", "reward_timeout=3600", "--max-steps", "3"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**ENV, "GCF_TEST_MARK": str(mark)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not mark.exists() and time.monotonic() < deadline:  # the reward is running (and will not return)
@@ -330,12 +383,12 @@ def test_a_stop_while_a_reward_hangs_saves_a_checkpoint(tmp_path, rewards_py, si
 
 # --------------------------------------------------------------------------- every sample failed, over all ranks
 
-RANKED = '''
+RANKED = """
 import os
 def by_rank(completions, **kwargs):
     failing = {failing!r}
     return [None] * len(completions) if os.environ["RANK"] in failing else [1.0] * len(completions)
-'''
+"""
 
 
 @pytest.mark.parametrize("failing", [("0",), ("0", "1")], ids=["one-rank-fails", "every-rank-fails"])
@@ -343,7 +396,12 @@ def test_every_sample_failed_is_decided_over_all_ranks(tmp_path, failing):
     path = tmp_path / "ranked.py"
     path.write_text(RANKED.format(failing=set(failing)))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gcfamily", *_run_args(out, "--reward", f"{path}:by_rank", "--nproc", "2", "--strategy", "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gcfamily",
+        *_run_args(out, "--reward", f"{path}:by_rank", "--nproc", "2", "--strategy", "ddp"),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, start_new_session=True)
     if len(failing) == 1:  # rank 0's 4 samples all fail, rank 1's score: the group takes the step
         assert res.returncode == 0, res.stderr[-4000:]

@@ -26,8 +26,20 @@ FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size
 
 
 def rm_config(out, **settings) -> Config:
-    return Config(**{"method": "reward-model", "model": "tiny", "task": "arithmetic", "output_dir": str(out), "progress": False, "device": "cpu",
-                     "batch_size": 4, "micro_batch_size": 8, "eval_samples": 16, **settings})
+    return Config(
+        **{
+            "method": "reward-model",
+            "model": "tiny",
+            "task": "arithmetic",
+            "output_dir": str(out),
+            "progress": False,
+            "device": "cpu",
+            "batch_size": 4,
+            "micro_batch_size": 8,
+            "eval_samples": 16,
+            **settings,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- by hand
@@ -38,7 +50,9 @@ def test_bradley_terry_loss_by_hand():
     loss = bradley_terry_loss(chosen, rejected)
     # margins (0, 2, -2): -log sigmoid(0) = log 2 = 0.6931; -log sigmoid(2) = log(1 + e^-2) = 0.1269;
     # -log sigmoid(-2) = log(1 + e^2) = 2.1269
-    assert torch.allclose(loss, torch.tensor([math.log(2), math.log1p(math.exp(-2)), math.log1p(math.exp(2))]), atol=1e-6)
+    assert torch.allclose(
+        loss, torch.tensor([math.log(2), math.log1p(math.exp(-2)), math.log1p(math.exp(2))]), atol=1e-6
+    )
     loss.sum().backward()
     # d loss / d r_w = -sigmoid(r_l - r_w): -0.5, -sigmoid(-2) = -0.1192, -sigmoid(2) = -0.8808
     assert torch.allclose(chosen.grad, torch.tensor([-0.5, -0.11920292, -0.88079708]), atol=1e-6)
@@ -71,19 +85,26 @@ def test_scores_read_the_last_real_token_whatever_the_padding(tiny_rm):
 
 def test_a_fresh_reward_model_scores_zero():
     policy, tok = load_model("tiny", seed=0)
-    assert RewardModel.from_causal_lm(policy, tok).score(["a", "b"], ["1", "2"]) == [0.0, 0.0]  # zero head: loss log 2, chance
+    assert RewardModel.from_causal_lm(policy, tok).score(["a", "b"], ["1", "2"]) == [
+        0.0,
+        0.0,
+    ]  # zero head: loss log 2, chance
 
 
 def test_save_and_load(tiny_rm, tmp_path):
     tiny_rm.save(tmp_path / "rm")
     fn = load_reward_model(str(tmp_path / "rm"), batch_size=1)
     prompts, completions = ["What is 1 + 1?", "What is 3 + 4?", "x"], ["2", "8", "?"]
-    assert fn(prompts, completions, answer=["2", "7", "0"]) == pytest.approx(tiny_rm.score(prompts, completions), abs=1e-5)
+    assert fn(prompts, completions, answer=["2", "7", "0"]) == pytest.approx(
+        tiny_rm.score(prompts, completions), abs=1e-5
+    )
     from transformers import AutoModelForSequenceClassification
 
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")  # a plain Hugging Face reward model
     assert hf.config.num_labels == 1
-    assert not any(p.requires_grad for p in RewardModel.load(tmp_path / "rm").parameters())  # loaded frozen, for scoring
+    assert not any(
+        p.requires_grad for p in RewardModel.load(tmp_path / "rm").parameters()
+    )  # loaded frozen, for scoring
     policy, tok = load_model("tiny")
     policy.save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
@@ -102,7 +123,9 @@ def test_the_trainer_trains_only_the_reward_model_and_pairs_are_the_normaliser(t
     before = copy.deepcopy(tr.policy.state_dict())
     batch, _ = m.data(0)
     seen = []
-    handle = m.optimizer.register_step_pre_hook(lambda opt, a, k: seen.append([p.grad.clone() for p in m.rm.parameters()]))
+    handle = m.optimizer.register_step_pre_hook(
+        lambda opt, a, k: seen.append([p.grad.clone() for p in m.rm.parameters()])
+    )
     state = copy.deepcopy(m.state_dict())
     for size in (2, 8):  # one pair per micro-batch, or all four in one
         m.load_state_dict(state)
@@ -148,7 +171,16 @@ def _gcf(*args):
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory):
     out = tmp_path_factory.mktemp("rm")
-    res = _gcf("--method", "reward-model", "--max-steps", "5", "--output-dir", str(out), "--set=progress=false", "--set=eval_samples=16")
+    res = _gcf(
+        "--method",
+        "reward-model",
+        "--max-steps",
+        "5",
+        "--output-dir",
+        str(out),
+        "--set=progress=false",
+        "--set=eval_samples=16",
+    )
     return out, res
 
 
@@ -165,8 +197,19 @@ def test_cli_trains_a_reward_model(trained_rm):
 @pytest.mark.parametrize("method", ["ppo", "grpo"])
 def test_on_policy_methods_take_the_reward_model(trained_rm, tmp_path, method):
     out, _ = trained_rm
-    res = _gcf("--method", method, "--task", "arithmetic", "--max-steps", "2", "--reward-model", str(out),
-               "--output-dir", str(tmp_path / "run"), *[f"--set={k}={v}" for k, v in FAST.items()])
+    res = _gcf(
+        "--method",
+        method,
+        "--task",
+        "arithmetic",
+        "--max-steps",
+        "2",
+        "--reward-model",
+        str(out),
+        "--output-dir",
+        str(tmp_path / "run"),
+        *[f"--set={k}={v}" for k, v in FAST.items()],
+    )
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward/failed"] == 0 and rows[-1]["reward/std"] > 0  # real-valued scores, not the task's 0/1
@@ -190,14 +233,27 @@ def test_heldout_pair_accuracy_rises_well_above_chance(tmp_path):
     arithmetic set: 0.5 at the start (zero head), 0.70 / 0.71 / 0.72 after 300 steps with seeds 0 / 1 / 2:
     every malformed reply is ranked below the answer, and wrong numbers better than chance. 0.62 is 3.8
     standard deviations above a coin's 0.5 at n = 256."""
-    tr = Trainer(rm_config(tmp_path, max_steps=300, batch_size=16, micro_batch_size=32, lr=2e-3, lr_schedule="cosine", warmup_steps=20, eval_samples=256))
+    tr = Trainer(
+        rm_config(
+            tmp_path,
+            max_steps=300,
+            batch_size=16,
+            micro_batch_size=32,
+            lr=2e-3,
+            lr_schedule="cosine",
+            warmup_steps=20,
+            eval_samples=256,
+        )
+    )
     m = tr.method
     assert m.heldout_accuracy() == 0.5
     tr.run()
     acc = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["rm/heldout_accuracy"]
     held = preference_rows(tr.task, 256, 0, split="test")
     malformed = [r for r in held if r["rejected"] in MALFORMED]
-    s = m.rm.score([r["prompt"] for r in malformed for _ in (0, 1)], [r[k] for r in malformed for k in ("chosen", "rejected")])
+    s = m.rm.score(
+        [r["prompt"] for r in malformed for _ in (0, 1)], [r[k] for r in malformed for k in ("chosen", "rejected")]
+    )
     assert acc > 0.62, acc
     assert sum(a > b for a, b in zip(s[0::2], s[1::2])) / len(malformed) > 0.9
 

@@ -149,8 +149,7 @@ def test_load_module_function():
 def test_load_from_file(tmp_path):
     path = tmp_path / "my_rewards.py"
     path.write_text(
-        "def shortness(prompts, completions, **kw):\n"
-        "    return [1.0 / (1 + len(c)) for c in completions]\n"
+        "def shortness(prompts, completions, **kw):\n    return [1.0 / (1 + len(c)) for c in completions]\n"
     )
     fn = load_reward(f"{path}:shortness")
     assert fn(["q"], ["abc"]) == [0.25]

@@ -24,8 +24,17 @@ def tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -48,7 +57,9 @@ def forward_logps(model, ro: Rollout, temperature: float) -> torch.Tensor:
     return torch.cat([torch.zeros_like(logps[:, :1]), logps], 1)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=5)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=5)]
+)
 def test_sample_logps_match_a_later_forward_pass(model, tokenizer, prompts, kw):
     # Filtering changes what can be drawn, not the recorded log-prob: that is of the full distribution.
     ro = run(model, tokenizer, prompts, eos=(EOS, 5), **kw)
@@ -119,7 +130,7 @@ def test_masks_lengths_and_truncation(model, tokenizer, prompts):
     assert torch.equal(ro.prompt_index, torch.arange(len(prompts)).repeat_interleave(8))
     for n, i in enumerate(ro.prompt_index.tolist()):  # prompts left-padded, G rows each
         p = prompts[i]
-        assert ro.input_ids[n, P - len(p):P].tolist() == p and ro.attention_mask[n, :P].sum() == len(p)
+        assert ro.input_ids[n, P - len(p) : P].tolist() == p and ro.attention_mask[n, :P].sum() == len(p)
     assert len({tuple(r) for r in comp[:8].tolist()}) > 1  # one shared prefill, yet G different samples
 
 
@@ -142,8 +153,9 @@ def test_stop_strings_in_a_batch(model, tokenizer, prompts):
     P = len(max(prompts, key=len))
     e_id = tokenizer.convert_tokens_to_ids("e")
     assert (ro.completion_lengths < 30).any()
-    for text, ids, L, trunc in zip(ro.completions, ro.input_ids[:, P:].tolist(), ro.completion_lengths.tolist(),
-                                   ro.truncated.tolist()):
+    for text, ids, L, trunc in zip(
+        ro.completions, ro.input_ids[:, P:].tolist(), ro.completion_lengths.tolist(), ro.truncated.tolist()
+    ):
         assert text == tokenizer.decode(ids[:L], skip_special_tokens=True)
         # Character tokens: a completion stops exactly at its first "e", which is kept; else at an EOS or the limit.
         assert "e" not in text[:-1]
@@ -210,7 +222,12 @@ def test_cuda_rollout_matches_forward_and_is_seeded(model, tokenizer, prompts, d
         assert (forward_logps(cuda, a, 0.7)[m] - a.sample_logps[m]).abs().mean() < tol
 
 
-SHARED = ["you are terse. q: what is 2+3?", "you are terse. q: hi", "you are terse. q: 12*4=", "you are terse. q: say abc then stop."]
+SHARED = [
+    "you are terse. q: what is 2+3?",
+    "you are terse. q: hi",
+    "you are terse. q: 12*4=",
+    "you are terse. q: say abc then stop.",
+]
 
 
 def test_shared_prefix_length():
@@ -218,7 +235,9 @@ def test_shared_prefix_length():
 
     assert _shared_prefix([[1, 2, 3] * 5, [1, 2, 3] * 5 + [9]]) == 14  # each prompt keeps at least one token of its own
     assert _shared_prefix([[5] * 20]) == 0 and _shared_prefix([[1] * 20, [2] * 20]) == 0
-    assert _shared_prefix([[7] * (_SHARE_MIN - 1) + [1, 1], [7] * (_SHARE_MIN - 1) + [2, 2]]) == 0  # too short to bother
+    assert (
+        _shared_prefix([[7] * (_SHARE_MIN - 1) + [1, 1], [7] * (_SHARE_MIN - 1) + [2, 2]]) == 0
+    )  # too short to bother
 
 
 def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_the_same(model, tokenizer):

@@ -17,7 +17,9 @@ SMALL = ["--set", "progress=false", "--set", "batch_size=2", "--set", "max_new_t
 
 
 def run(gcf, out, *args, steps=3):
-    return gcf("run", "--method", "sft", "--model", "tiny", "--max-steps", str(steps), "--output-dir", str(out), *SMALL, *args)
+    return gcf(
+        "run", "--method", "sft", "--model", "tiny", "--max-steps", str(steps), "--output-dir", str(out), *SMALL, *args
+    )
 
 
 def one_error(code, err, needle):
@@ -47,7 +49,19 @@ def test_overwrite_removes_the_previous_run_so_nothing_mixes(gcf, tmp_path):
 def test_the_model_folder_and_a_folder_of_other_files_are_refused(gcf, tmp_path):
     model = tmp_path / "m"
     assert run(gcf, model, steps=1)[0] == 0
-    code, _, err = gcf("run", "--method", "sft", "--model", str(model), "--max-steps", "1", "--output-dir", str(model), "--overwrite", *SMALL)
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        str(model),
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(model),
+        "--overwrite",
+        *SMALL,
+    )
     one_error(code, err, "is the model being trained")
     other = tmp_path / "other"
     other.mkdir()
@@ -63,7 +77,9 @@ def test_a_live_lock_is_refused_and_a_stale_one_taken_over(gcf, tmp_path):
     lock = out / ".gcf.lock"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lock.write_text(json.dumps({"pid": live.pid, "host": os.uname().nodename, "started": 0}))  # another live process
+        lock.write_text(
+            json.dumps({"pid": live.pid, "host": os.uname().nodename, "started": 0})
+        )  # another live process
         code, _, err = run(gcf, out, steps=1)
         one_error(code, err, f"is in use by a running gcfamily run (pid {live.pid}")
     finally:
@@ -88,7 +104,11 @@ def test_resume_refuses_changed_settings_unless_allowed_and_then_applies_them(gc
     assert saved["lr"] == 1e-4 and saved["changes"] == [{"step": 2, "changed": {"lr": [1e-5, 1e-4]}}]
     rows = metrics_rows(out)
     assert [r.get("settings_changed") for r in rows if r["step"] == 2][-1] == 1.0
-    assert [r["lr"] for r in rows if "loss" in r] == [1e-5, 1e-5, 1e-4]  # the optimizer took the new lr, not the checkpoint's
+    assert [r["lr"] for r in rows if "loss" in r] == [
+        1e-5,
+        1e-5,
+        1e-4,
+    ]  # the optimizer took the new lr, not the checkpoint's
 
 
 def test_resume_logs_each_step_once_and_clears_half_written_checkpoints(gcf, tmp_path):
@@ -149,6 +169,7 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
             if calls["n"] >= 2:
                 full()
             return real[name](*a, **k)
+
         return f
 
     monkeypatch.setattr(checkpoint, "save_file", on_second("weights"))
@@ -160,10 +181,18 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
         from transformers import PreTrainedTokenizerBase
 
         real_tok = PreTrainedTokenizerBase.save_pretrained
-        monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", lambda self, *a, **k: full() if calls["n"] >= 2 else real_tok(self, *a, **k))
+        monkeypatch.setattr(
+            PreTrainedTokenizerBase,
+            "save_pretrained",
+            lambda self, *a, **k: full() if calls["n"] >= 2 else real_tok(self, *a, **k),
+        )
     elif which == "marker":
         real_write = Path.write_text
-        monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: full() if self.name == "COMPLETE" and calls["n"] >= 2 else real_write(self, *a, **k))
+        monkeypatch.setattr(
+            Path,
+            "write_text",
+            lambda self, *a, **k: full() if self.name == "COMPLETE" and calls["n"] >= 2 else real_write(self, *a, **k),
+        )
     code, _, err = run(gcf, out, "--set", "save_every=1", steps=3)
     one_error(code, err, "Could not write the checkpoint of step 2")
     assert "No space left on device" in err and "the checkpoint of step 1 is intact" in err
@@ -177,7 +206,9 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
 def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
     from gcfamily.run import checkpoint
 
-    monkeypatch.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(
+        checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    )
     code, _, err = run(gcf, tmp_path / "r", steps=2)
     one_error(code, err, "no checkpoint of this run was saved, so its steps are lost")
     assert "intact" not in err
@@ -186,7 +217,9 @@ def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
 def test_a_full_disk_at_the_final_model_keeps_the_checkpoint_and_resume_writes_it(gcf, tmp_path, monkeypatch):
     from gcfamily.core import precision
 
-    monkeypatch.setattr(precision, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(
+        precision, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    )
     out = tmp_path / "r"
     code, _, err = run(gcf, out, steps=2)
     one_error(code, err, "Could not write the final model")
@@ -225,8 +258,16 @@ def test_two_runs_started_into_one_folder_never_interleave(tmp_path):
     out = tmp_path / "r"
     # Both race for the lock; whichever wins runs until it is stopped, so the other always meets it running (60 steps of
     # the tiny model take under a second: a finished first run left the second free to --overwrite it, and both exited 0).
-    procs = [subprocess.Popen(_gcf_cmd("--max-steps", "100000", "--output-dir", str(out), "--overwrite"), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            _gcf_cmd("--max-steps", "100000", "--output-dir", str(out), "--overwrite"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     try:
         deadline = time.monotonic() + 300
         while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -253,14 +294,22 @@ def test_two_runs_started_into_one_folder_never_interleave(tmp_path):
 def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "r"
-    launcher = subprocess.Popen(_gcf_cmd("--max-steps", "100000", "--output-dir", str(out), "--nproc", "2"), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = subprocess.Popen(
+        _gcf_cmd("--max-steps", "100000", "--output-dir", str(out), "--nproc", "2"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 240
         while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
             time.sleep(0.5)
         assert (out / "metrics.jsonl").is_file(), "the workers never started"
-        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()]
+        workers = [
+            int(p)
+            for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        ]
         assert len(workers) == 2
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
@@ -268,7 +317,11 @@ def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
         alive = workers
         while alive and time.time() < deadline:
             time.sleep(0.2)
-            alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+            alive = [
+                w
+                for w in workers
+                if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
+            ]
         assert not alive, f"workers {alive} outlived their launcher"
     finally:
         try:
@@ -280,16 +333,43 @@ def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
 def test_a_checkpoint_resumed_into_another_architecture_is_one_sentence(gcf, tmp_path):
     out = tmp_path / "r"
     assert run(gcf, out, steps=1)[0] == 0
-    code, _, err = gcf("run", "--method", "sft", "--model", "smollm2-135m", "--max-steps", "2", "--output-dir", str(tmp_path / "o"),
-                       "--resume", str(out / "checkpoints" / "step-1"), *SMALL)
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "smollm2-135m",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--resume",
+        str(out / "checkpoints" / "step-1"),
+        *SMALL,
+    )
     one_error(code, err, "does not fit this model (size mismatch")
 
 
 def test_a_run_that_fails_in_setup_leaves_no_run_behind(gcf, tmp_path):
     out = tmp_path / "r"
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": None, "completion": "b"}) + "\n")
-    code, _, err = gcf("run", "--method", "sft", "--model", "tiny", "--dataset", str(data), "--max-steps", "1", "--output-dir", str(out), *SMALL)
+    data.write_text(
+        json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": None, "completion": "b"}) + "\n"
+    )
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "sft",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(out),
+        *SMALL,
+    )
     one_error(code, err, "Row 1")
     assert not (out / "run_config.json").exists() and not (out / ".gcf.lock").exists()
     assert run(gcf, out, steps=1)[0] == 0  # the same folder, no --overwrite needed
@@ -301,8 +381,31 @@ def test_prompts_too_long_for_the_context_are_skipped_at_setup(gcf, tmp_path):
 
     ctx = context_length(tiny_model(len(tiny_tokenizer())))
     data = tmp_path / "p.jsonl"
-    data.write_text(json.dumps({"prompt": "x" * (ctx - 5), "answer": "1"}) + "\n" + json.dumps({"prompt": "1+0=", "answer": "1"}) + "\n")
-    code, _, err = gcf("run", "--method", "grpo", "--model", "tiny", "--dataset", str(data), "--reward", "numeric", "--max-steps", "1",
-                       "--output-dir", str(tmp_path / "r"), "--set", f"max_length={ctx}", "--set", "group_size=2", *SMALL)
+    data.write_text(
+        json.dumps({"prompt": "x" * (ctx - 5), "answer": "1"})
+        + "\n"
+        + json.dumps({"prompt": "1+0=", "answer": "1"})
+        + "\n"
+    )
+    code, _, err = gcf(
+        "run",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny",
+        "--dataset",
+        str(data),
+        "--reward",
+        "numeric",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"max_length={ctx}",
+        "--set",
+        "group_size=2",
+        *SMALL,
+    )
     assert code == 0, err
     assert metrics_rows(tmp_path / "r")[-1]["skipped_long_prompts"] == 1.0

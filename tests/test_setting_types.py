@@ -14,8 +14,15 @@ from gcfamily.cli import main
 from gcfamily.config import INTERNAL, Config
 from gcfamily.methods import METHODS, get_method
 
-WRONG = {"bool": ("maybe", "maybe"), "int": ("abc", 1.5), "float": ("abc", "abc"), "list": ("{a: 1}", {"a": 1}),
-         "dict": ("[1, 2]", [1, 2]), "tuple": ("abc", "abc"), "str": (None, [1, 2])}
+WRONG = {
+    "bool": ("maybe", "maybe"),
+    "int": ("abc", 1.5),
+    "float": ("abc", "abc"),
+    "list": ("{a: 1}", {"a": 1}),
+    "dict": ("[1, 2]", [1, 2]),
+    "tuple": ("abc", "abc"),
+    "str": (None, [1, 2]),
+}
 
 
 def _base(f: dataclasses.Field) -> str:
@@ -64,14 +71,42 @@ def test_wrong_type_is_one_error_line(tmp_path, method, key, base):
 
 @pytest.mark.parametrize("text", ["5", "banana", "[tensorboard, 3]"])
 def test_report_to_of_any_shape_is_one_error_line(tmp_path, text):
-    res = CliRunner().invoke(main, ["run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "o"),
-                                    "--set", f"report_to={text}"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--method",
+            "sft",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--set",
+            f"report_to={text}",
+        ],
+    )
     _one_error_line(res)
     assert "report_to" in res.stderr
 
 
 def test_device_that_is_not_a_device_is_one_error_line(tmp_path):
-    res = CliRunner().invoke(main, ["run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "o"),
-                                    "--set", "device=banana"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--method",
+            "sft",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--set",
+            "device=banana",
+        ],
+    )
     _one_error_line(res)
     assert "device='banana'" in res.stderr

@@ -51,9 +51,7 @@ def test_wilson_edges():
     assert c < a and d > b
 
 
-@pytest.mark.parametrize(
-    "k, n, conf", [(11, 10, 0.95), (-1, 10, 0.95), (1, -1, 0.95), (1, 10, 1.0), (1, 10, 0.0)]
-)
+@pytest.mark.parametrize("k, n, conf", [(11, 10, 0.95), (-1, 10, 0.95), (1, -1, 0.95), (1, 10, 1.0), (1, 10, 0.0)])
 def test_wilson_refuses(k, n, conf):
     with pytest.raises(ValueError):
         wilson(k, n, conf)
@@ -75,9 +73,7 @@ def test_t_quantile_table(df):
 
 def _t_closed_form(p: float, df: int) -> float:
     """Closed forms of the t quantile for df = 1, 2, 4 (Hill 1970; Shaw 2006)."""
-    if (
-        df == 1
-    ):  # tan(pi (p - 1/2)), written as 1/tan of the small angle to keep its digits at the tails
+    if df == 1:  # tan(pi (p - 1/2)), written as 1/tan of the small angle to keep its digits at the tails
         return -1 / math.tan(math.pi * p) if p < 0.5 else 1 / math.tan(math.pi * (1 - p))
     if df == 2:
         return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
@@ -129,15 +125,11 @@ def test_t_quantile_against_mpmath():
     # both paths: the incomplete beta (df <= 1e5) and the Cornish-Fisher series (df > 1e5)
     for df in (3, 17, 250, 10**5, 10**5 + 1, 10**7):
         for p in (1e-12, 0.01, 0.8):  # p > 1/2 and tails beyond the tables
-            assert t_quantile(p, df) == pytest.approx(
-                _t_quantile_mpmath(p, df, mpmath), rel=1e-12
-            ), (df, p)
+            assert t_quantile(p, df) == pytest.approx(_t_quantile_mpmath(p, df, mpmath), rel=1e-12), (df, p)
     # past df = 1e5 the series' 1/df^4 term is below float resolution, so check every term
     # at df = 200, where that term is ~1e-9 and the first omitted one ~1e-11
     for p in (0.975, 0.005):
-        assert _t_quantile_large_df(p, 200) == pytest.approx(
-            _t_quantile_mpmath(p, 200, mpmath), rel=1e-10
-        )
+        assert _t_quantile_large_df(p, 200) == pytest.approx(_t_quantile_mpmath(p, 200, mpmath), rel=1e-10)
 
 
 @pytest.mark.parametrize("p, df", [(0.0, 5), (1.0, 5), (0.975, 0), (float("nan"), 5)])
@@ -254,7 +246,9 @@ def test_seeds_bootstrap_matches_exact_enumeration_of_both_levels():
     assert r["p_value"] == pytest.approx(7 / 8, abs=0.02)
     assert (r["lo"], r["hi"]) == (0.0, 1.0) and r["significant"] is False
     # The same answers as four independent items: P(mean <= 0) = (3/4)^4 -> p = 0.63, a different law
-    assert paired_bootstrap([1, 0, 0, 0], [0, 0, 0, 0], n_boot=40000, seed=1)["p_value"] == pytest.approx(2 * 0.75**4, abs=0.02)
+    assert paired_bootstrap([1, 0, 0, 0], [0, 0, 0, 0], n_boot=40000, seed=1)["p_value"] == pytest.approx(
+        2 * 0.75**4, abs=0.02
+    )
 
 
 def test_seeds_bootstrap_with_one_seed_each_is_the_paired_bootstrap_over_prompts():
@@ -303,9 +297,7 @@ def test_pass_at_k_brute_force():
     for n in range(1, 9):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert pass_at_k(n, c, k) == pytest.approx(
-                    float(_pass_at_k_brute(n, c, k)), abs=1e-12
-                )
+                assert pass_at_k(n, c, k) == pytest.approx(float(_pass_at_k_brute(n, c, k)), abs=1e-12)
 
 
 def test_pass_at_k_large_n_is_stable():

@@ -113,7 +113,7 @@ def test_mixed_arithmetic_takes_turns_and_cycles():
     assert levels[:3] == ["1d-add", "1d-mul", "2d-add"] and len(set(levels)) == 3
     assert levels.count("1d-add") == levels.count("2d-add")
     big = task.rows("test", n=600)
-    assert big[:len(test)] == test and len(big) == 600
+    assert big[: len(test)] == test and len(big) == 600
     assert len({r["prompt"] for r in big if r["level"] == "2d-add"}) == 200  # the big level keeps giving fresh problems
 
 
@@ -122,7 +122,9 @@ def test_heldout_rows_hold_each_prompt_once_in_the_order_of_rows(tasks):
     big = task.rows("test", n=500)
     held = task.heldout_rows(500)
     prompts = [r["prompt"] for r in held]
-    assert len(prompts) == len(set(prompts)) == 205  # 19 + 19 one-digit problems (each cycled in rows) + 167 two-digit ones
+    assert (
+        len(prompts) == len(set(prompts)) == 205
+    )  # 19 + 19 one-digit problems (each cycled in rows) + 167 two-digit ones
     assert held == [r for i, r in enumerate(big) if r["prompt"] not in {x["prompt"] for x in big[:i]}]
     assert task.heldout_rows(64) == held[: len(task.heldout_rows(64))]  # a smaller n: a prefix of the same prompts
     sorting = tasks["sorting"]

@@ -14,8 +14,16 @@ from conftest import metrics_rows
 from gcfamily.core import engine
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, sample_groups
-from gcfamily.theory.train import (bandit_config, build_method, exact_gradient, one_thread, predicted_gradient,
-                                   predicted_policy, step_normaliser, train_bandit)
+from gcfamily.theory.train import (
+    bandit_config,
+    build_method,
+    exact_gradient,
+    one_thread,
+    predicted_gradient,
+    predicted_policy,
+    step_normaliser,
+    train_bandit,
+)
 from gcfamily.methods.theory_variants import PREDICTED
 
 K4 = BanditProblem(np.array([[0.4, 0.3, 0.2, 0.1]]), np.array([[0.0, 1.0, 2.5, 3.0]]))  # distinct, uneven rewards
@@ -44,7 +52,9 @@ def test_group_probabilities_sum_to_one_per_prompt(problem):
     lm = BanditLM(np.random.default_rng(0).normal(size=(problem.P, problem.K)))
     w = enum.weights(lm)[::G]  # one row per group
     q = enum.prompts[::G]
-    assert torch.allclose(torch.zeros(problem.P, dtype=w.dtype).index_add_(0, q, w), torch.ones(problem.P, dtype=w.dtype))
+    assert torch.allclose(
+        torch.zeros(problem.P, dtype=w.dtype).index_add_(0, q, w), torch.ones(problem.P, dtype=w.dtype)
+    )
     # the groups' mean reward is the policy's expected reward (Bernoulli: the success probability)
     mean_r = torch.zeros(problem.P, dtype=w.dtype).index_add_(0, enum.prompts, enum.weights(lm) * enum.rewards) / G
     assert np.allclose(mean_r.numpy(), (lm.probs().numpy() * problem.rewards).sum(1))
@@ -110,8 +120,10 @@ def test_four_outputs_reach_the_predicted_stationary_policy(problem):
     assert np.abs(want - problem.pi_ref).max() > 0.1  # the case is not trivial
 
 
-@pytest.mark.parametrize("method, G, beta", [("grpo-shift", 4, 0.5), ("grpo-direct-kl", 2, 1.0), ("rloo", 4, 0.5),
-                                             ("dr-grpo", 2, 1.0), ("dapo", 8, 0.3)])
+@pytest.mark.parametrize(
+    "method, G, beta",
+    [("grpo-shift", 4, 0.5), ("grpo-direct-kl", 2, 1.0), ("rloo", 4, 0.5), ("dr-grpo", 2, 1.0), ("dapo", 8, 0.3)],
+)
 def test_variants_reach_their_predictions(method, G, beta):
     for problem in (K4, BINARY):
         res = train_bandit(problem, bandit_config(method, G, beta), exact=True)
@@ -122,7 +134,9 @@ def test_variants_reach_their_predictions(method, G, beta):
 def test_grpo_is_not_log_pooling_but_shift_only_direct_kl_is(problem):
     G, beta = 4, 0.5
     beta_eff = beta * G / (G - 1)  # shift-only advantages carry a factor (1 - 1/G)
-    pool = lambda b: np.stack([predictions.log_pooling(problem.pi_ref[q], problem.rewards[q], b) for q in range(problem.P)])
+    pool = lambda b: np.stack(
+        [predictions.log_pooling(problem.pi_ref[q], problem.rewards[q], b) for q in range(problem.P)]
+    )
     grpo = train_bandit(problem, bandit_config("grpo", G, beta), exact=True).pi
     assert np.abs(grpo - pool(beta)).max() > 0.05 and np.abs(grpo - pool(beta_eff)).max() > 0.05
     both = train_bandit(problem, bandit_config("grpo-shift-direct-kl", G, beta), exact=True).pi
@@ -149,10 +163,16 @@ def test_gcf_theory_prints_the_table_and_writes_the_plot(gcf, tmp_path):
     assert (tmp_path / "theory-grpo-G4-beta0.2-sample.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--group-size", "1"], "G=1"), (["--beta", "-1"], "beta"), (["--method", "sft"], "No stationary-policy prediction"),
-    (["--p-ref", "0.5,1.2"], "p_ref"), (["--method", "grpo", "--variant", "direct_kl"], "drop one"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--group-size", "1"], "G=1"),
+        (["--beta", "-1"], "beta"),
+        (["--method", "sft"], "No stationary-policy prediction"),
+        (["--p-ref", "0.5,1.2"], "p_ref"),
+        (["--method", "grpo", "--variant", "direct_kl"], "drop one"),
+    ],
+)
 def test_gcf_theory_bad_input_is_one_clear_error(gcf, tmp_path, args, message):
     code, out, err = gcf("theory", "--out", str(tmp_path), *args)
     assert code == 2 and "error:" in err and message in err and "Traceback" not in err
@@ -161,8 +181,20 @@ def test_gcf_theory_bad_input_is_one_clear_error(gcf, tmp_path, args, message):
 @pytest.mark.parametrize("name", ["grpo-shift", "grpo-direct-kl", "grpo-shift-direct-kl"])
 def test_registered_variants_train_a_language_model_for_two_steps(gcf, tmp_path, name):
     sets = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False, "mu": 2}
-    code, out, err = gcf("run", "--method", name, "--model", "tiny", "--task", "arithmetic", "--max-steps", "2",
-                         "--output-dir", str(tmp_path), *[f"--set={k}={v}" for k, v in sets.items()])
+    code, out, err = gcf(
+        "run",
+        "--method",
+        name,
+        "--model",
+        "tiny",
+        "--task",
+        "arithmetic",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        *[f"--set={k}={v}" for k, v in sets.items()],
+    )
     assert code == 0, err
     rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)

@@ -33,19 +33,40 @@ def closed_form(p_ref: float, beta: float, G: int) -> float:
 def test_defaults_converge_to_the_prediction_over_the_figure(G, beta):
     """Default settings (std, step rule, steps) of train_bandit, all five questions trained together."""
     res = train_bandit(BanditProblem.binary(P_REFS), bandit_config("grpo", G, beta))
-    assert res.residual < 1e-5 and res.steps < 1000, f"not converged: residual {res.residual:.2g} after {res.steps} steps"
+    assert res.residual < 1e-5 and res.steps < 1000, (
+        f"not converged: residual {res.residual:.2g} after {res.steps} steps"
+    )
     want = np.array([closed_form(p, beta, G) for p in P_REFS])
     np.testing.assert_allclose(res.pi[:, 0], want, rtol=0, atol=TOL)
 
 
 def test_the_reported_case_converges_through_the_command(gcf, tmp_path):
     """Issue 16: p_ref 0.5 used to train to 1.000000 at G=16, beta=0.04 ("NOT converged")."""
-    code, out, err = gcf("theory", "--method", "grpo", "-G", "16", "--beta", "0.04", "--p-ref", "0.2,0.5",
-                         "--plot-betas", "0.04", "--out", str(tmp_path))
+    code, out, err = gcf(
+        "theory",
+        "--method",
+        "grpo",
+        "-G",
+        "16",
+        "--beta",
+        "0.04",
+        "--p-ref",
+        "0.2,0.5",
+        "--plot-betas",
+        "0.04",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "std sample" in out.splitlines()[0] and "converged" in out and "NOT converged" not in out, out
-    trained = {line.split()[0]: float(line.split()[3]) for line in out.splitlines() if line.startswith("q") and line.split()[1] == "a"}
-    assert abs(trained["q1"] - closed_form(0.5, 0.04, 16)) < TOL and abs(trained["q0"] - closed_form(0.2, 0.04, 16)) < TOL
+    trained = {
+        line.split()[0]: float(line.split()[3])
+        for line in out.splitlines()
+        if line.startswith("q") and line.split()[1] == "a"
+    }
+    assert (
+        abs(trained["q1"] - closed_form(0.5, 0.04, 16)) < TOL and abs(trained["q0"] - closed_form(0.2, 0.04, 16)) < TOL
+    )
     assert closed_form(0.5, 0.04, 16) < 0.9999  # the fixed point is interior: 1.000000 would fail
 
 

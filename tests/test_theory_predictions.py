@@ -1,4 +1,5 @@
 """Checks of gcfamily.theory.predictions against hand-worked values, closed forms and autograd."""
+
 import itertools
 import math
 
@@ -8,8 +9,15 @@ import torch
 
 from gcfamily.errors import GcfError
 from gcfamily.theory.predictions import (
-    binary_identity, binary_stationary_finite, binary_stationary_g2, binary_stationary_inf,
-    expected_gradient, grpo_stationary, log_pooling, reward_preference)
+    binary_identity,
+    binary_stationary_finite,
+    binary_stationary_g2,
+    binary_stationary_inf,
+    expected_gradient,
+    grpo_stationary,
+    log_pooling,
+    reward_preference,
+)
 
 GROUPS = [2, 3, 4, 5, 6, 7, 8, None]
 PI4 = np.array([0.1, 0.2, 0.3, 0.4])
@@ -19,6 +27,7 @@ Q4 = np.array([0.1, 0.3, 0.6, 0.9])
 
 
 # ---- reward preference -------------------------------------------------------------------
+
 
 def test_g2_hand_worked():
     # rewards 0, 1, 2 under pi = (.5, .3, .2): P_2(o) = P[r(o) > r(o')] - P[r(o) < r(o')]
@@ -102,6 +111,7 @@ def test_binary_identity(G, p):
 
 # ---- closed forms and the general solver ---------------------------------------------------
 
+
 def test_closed_forms_hand_worked():
     assert binary_stationary_g2(0.25, 1.0) == pytest.approx(0.5)  # beta = gamma: sqrt(p_ref)
     assert binary_stationary_g2(0.36, 0.4, gamma=0.4) == pytest.approx(0.6)
@@ -110,8 +120,7 @@ def test_closed_forms_hand_worked():
 
 
 def _solve_binary(p_ref, beta, G, rewards=(1.0, 0.0), bernoulli=False, std="population"):
-    sp = grpo_stationary(np.array([p_ref, 1 - p_ref]), np.array(rewards), G, beta, std=std,
-                         bernoulli=bernoulli)
+    sp = grpo_stationary(np.array([p_ref, 1 - p_ref]), np.array(rewards), G, beta, std=std, bernoulli=bernoulli)
     assert sp.residual < 1e-12
     return sp.pi[0]
 
@@ -139,7 +148,8 @@ def test_solver_beta_equal_gamma_gives_sqrt_p_ref():
 def test_solver_matches_infinity(p_ref, beta):
     # any r(a) > r(b) gives the same answer: the standardised preference is scale-free
     assert _solve_binary(p_ref, beta, None, rewards=(3.0, -1.0)) == pytest.approx(
-        binary_stationary_inf(p_ref, beta), abs=1e-9)
+        binary_stationary_inf(p_ref, beta), abs=1e-9
+    )
 
 
 @pytest.mark.parametrize("G", [3, 4, 8])
@@ -156,7 +166,7 @@ def test_lower_bounds(beta, p_ref):
     gamma = 0.5
     p2 = _solve_binary(p_ref, beta, 2, rewards=(0.75, 0.25), bernoulli=True)
     assert p2 >= max(1 - beta / gamma, p_ref) - 1e-12
-    assert _solve_binary(p_ref, beta, None) >= max(1 / (1 + beta ** 2), p_ref) - 1e-12
+    assert _solve_binary(p_ref, beta, None) >= max(1 / (1 + beta**2), p_ref) - 1e-12
 
 
 @pytest.mark.parametrize("G", [2, 4, 7])
@@ -199,6 +209,7 @@ def test_zero_reference_mass_stays_zero():
 
 # ---- variants ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("G", [2, 3, 8])
 @pytest.mark.parametrize("bernoulli", [False, True])
 def test_shift_only_direct_kl_is_log_pooling(G, bernoulli):
@@ -235,8 +246,7 @@ def test_other_variant_fixed_points(G):
 def test_direct_kl_at_infinity_can_run_to_a_vertex():
     # binary, G = inf, beta = .2: x - x_ref = 2 cosh(x/2)/beta has no root, so no finite logits
     with pytest.raises(RuntimeError, match="vertex"):
-        grpo_stationary(np.array([0.4, 0.6]), np.array([1.0, 0.0]), None, 0.2, variant="direct_kl",
-                        max_steps=60)
+        grpo_stationary(np.array([0.4, 0.6]), np.array([1.0, 0.0]), None, 0.2, variant="direct_kl", max_steps=60)
 
 
 def test_unknown_variant_is_a_user_error():
@@ -245,6 +255,7 @@ def test_unknown_variant_is_a_user_error():
 
 
 # ---- expected gradient against autograd of the sampled objective ---------------------------
+
 
 def _autograd(logits, ref, rewards, G, beta, std, bernoulli, variant):
     """Autograd of DeepSeekMath's objective, summed exactly over ordered groups (and reward draws)."""

@@ -24,6 +24,9 @@ Besides what the trainer logs, each child (gcfamily/bench/child.py) records what
 
 A method that already finished in the output folder with exactly the same settings is kept, not
 run again (so after a failure, the same command runs only what is missing); --fresh runs all.
+The bench replaces only runs it started with the same settings: a folder OUT/<method> that holds a run
+of the user's, a model, or a bench run of other settings is refused before any method runs, unless
+--replace-runs says to replace it.
 A finished child deletes its resumable checkpoints and keeps its final model.
 
 Outputs (written by gcfamily/bench/report.py): bench.md (the table), bench.json (every figure,
@@ -47,8 +50,22 @@ from typing import Any, Optional
 import click
 
 # the plans (suites, recipes, settings, budgets, shared start evaluations) live in bench_plan; their names are bench's too
-from gcfamily.bench.plan import (DEFAULT_METHODS, SUITES, TASK_PRESETS, check_sets, data_label, dataset_suite,  # noqa: F401
-                                 default_methods, method_name, parse_budget, recipe, run_settings, seeded, share_start_evaluations, start_key)
+from gcfamily.bench.plan import (
+    DEFAULT_METHODS,
+    SUITES,
+    TASK_PRESETS,
+    check_sets,
+    data_label,
+    dataset_suite,  # noqa: F401
+    default_methods,
+    method_name,
+    parse_budget,
+    recipe,
+    run_settings,
+    seeded,
+    share_start_evaluations,
+    start_key,
+)
 from gcfamily.bench.report import fmt, plots, summarise, table
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 
@@ -65,7 +82,12 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
     t0 = time.perf_counter()
     received: list[int] = []
     with (folder / "bench.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gcfamily.bench.child", str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gcfamily.bench.child", str(spec_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
         def forward(signum: int, _frame: Any) -> None:  # the child stops at a checkpoint; we wait for it
             received.append(signum)
@@ -80,28 +102,88 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
         proc.returncode = os.waitstatus_to_exitcode(status)
     if received:
         name = signal.Signals(received[0]).name
-        raise Interrupted(f"Stopped by {name} while {folder.name} was running (its log: {folder / 'bench.log'}); "
-                          "the runs that finished are kept, and the same command runs the rest.", 128 + received[0])
+        raise Interrupted(
+            f"Stopped by {name} while {folder.name} was running (its log: {folder / 'bench.log'}); "
+            "the runs that finished are kept, and the same command runs the rest.",
+            128 + received[0],
+        )
     return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0, "max_rss_mb": usage.ru_maxrss / 1024}
 
 
-def finished_run(folder: Path, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The launch record of a run in `folder` that finished with exactly this spec, else None.
+def _setting_part(s: dict[str, Any]) -> dict[str, Any]:
+    """A plan less where its run was written (output_dir, however the path was spelled: relative or absolute) and which
+    run's start evaluation it copied: the run in a folder is the one asked about, and a copied start evaluation equals
+    the computed one."""
+    return {
+        **{k: v for k, v in s.items() if k != "start_eval_from"},
+        "settings": {k: v for k, v in s.get("settings", {}).items() if k != "output_dir"},
+    }
 
-    Where the run was written (output_dir, however the path was spelled: relative or absolute) and which run's start
-    evaluation it copied are not compared: the run in `folder` is the one asked about, and a copied start evaluation
-    equals the computed one.
-    """
-    def setting_part(s: dict[str, Any]) -> dict[str, Any]:
-        return {**{k: v for k, v in s.items() if k != "start_eval_from"},
-                "settings": {k: v for k, v in s.get("settings", {}).items() if k != "output_dir"}}
 
+def _bench_spec(folder: Path) -> Optional[dict[str, Any]]:
+    """The plan the bench launched in `folder` (its bench_spec.json), {} when unreadable, None when the bench never did."""
     try:
-        same = setting_part(json.loads((folder / "bench_spec.json").read_text())) == setting_part(json.loads(json.dumps(spec)))
+        spec = json.loads((folder / "bench_spec.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def finished_run(folder: Path, spec: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The launch record of a run in `folder` that finished with exactly this spec (_setting_part), else None."""
+    old = _bench_spec(folder)
+    try:
         proc = json.loads((folder / "bench_proc.json").read_text())
     except (OSError, ValueError):
         return None
+    same = bool(old) and _setting_part(old) == _setting_part(json.loads(json.dumps(spec)))
     return proc if same and proc.get("returncode") == 0 and (folder / "bench_child.json").is_file() else None
+
+
+def check_run_folder(folder: Path, spec: dict[str, Any], replace: bool = False) -> None:
+    """Refuse, in one sentence, a folder where the run of `spec` would replace what the bench did not write there: a run
+    of the user's, a model, or a bench run of other settings (the child runs with overwrite, which removes a run's and a
+    model's files: gcfamily/run/transaction.py RUN_FILES). The bench's own run of these settings, finished or not, passes;
+    so does any folder with `replace` (--replace-runs)."""
+    from gcfamily.run.transaction import RUN_FILES, holds_run
+
+    if folder.exists() and not folder.is_dir():
+        raise GcfError(
+            f"{folder} is a file, where the bench would write the run of {folder.name}; move it, or choose another --output-dir."
+        )
+    if replace or not folder.is_dir():
+        return
+    files = sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name in RUN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+    )
+    if not files:
+        return  # nothing there that the run would remove
+    fix = "pass --replace-runs to replace it, or choose another --output-dir"
+    old = _bench_spec(folder)
+    if old is None:
+        what = "a run the bench did not start" if holds_run(folder) else "a model or files the bench did not write"
+        raise GcfError(f"{folder} holds {what} ({', '.join(files[:4])}{', ...' if len(files) > 4 else ''}); {fix}.")
+    if not old:
+        raise GcfError(
+            f"{folder} holds a run whose bench_spec.json cannot be read, so the bench cannot tell it for its own; {fix}."
+        )
+
+    def flat(s: dict[str, Any]) -> dict[str, Any]:
+        part = _setting_part(s)
+        return {**{k: v for k, v in part.items() if k != "settings"}, **part["settings"]}
+
+    was, now = flat(old), flat(json.loads(json.dumps(spec)))
+    changed = [
+        f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)
+    ]
+    if changed:
+        raise GcfError(
+            f"{folder} holds a bench run of other settings ({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}); {fix}."
+        )
 
 
 def _load() -> str:
@@ -111,20 +193,42 @@ def _load() -> str:
         return "?"
 
 
-def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optional[str], quick: bool,
-              out: Path, sets: dict[str, str], threads: Optional[int] = None, echo: Any = print, fresh: bool = False,
-              seeds: int = 1, baseline: Optional[str] = None, sweep: Optional[str] = None, data: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_bench(
+    methods: list[str],
+    model: Optional[str],
+    task: str,
+    budget: Optional[str],
+    quick: bool,
+    out: Path,
+    sets: dict[str, str],
+    threads: Optional[int] = None,
+    echo: Any = print,
+    fresh: bool = False,
+    seeds: int = 1,
+    baseline: Optional[str] = None,
+    sweep: Optional[str] = None,
+    data: Optional[dict[str, Any]] = None,
+    replace_runs: bool = False,
+) -> dict[str, Any]:
     """Run every method (seeds times: OUT/METHOD/seed-K) in its own subprocess, then write bench.md, bench.json and the plots into out.
-    With `data` ({dataset, eval_dataset, reward}) the runs train on the user's rows instead of `task`, which only labels them."""
+    With `data` ({dataset, eval_dataset, reward}) the runs train on the user's rows instead of `task`, which only labels them.
+    A run folder holding what the bench did not write is refused before any method runs, unless replace_runs (check_run_folder)."""
     suite = SUITES["quick" if quick else "default"]
     model = model or suite["model"]
     budget = budget or suite["budget"]
     stop = parse_budget(budget)
     label, task = task, (task if data is None else None)
     if data is not None and sweep is not None:
-        raise GcfError("--sweep chooses on validation rows kept from a built-in task's train split; with --dataset, run each value as its own suite.")
+        raise GcfError(
+            "--sweep chooses on validation rows kept from a built-in task's train split; with --dataset, run each value as its own suite."
+        )
     if data is not None:
-        methods = dataset_suite(methods, data, lambda spec: run_settings(suite, spec, method_name(spec), model, None, stop, sets, out, data), echo)
+        methods = dataset_suite(
+            methods,
+            data,
+            lambda spec: run_settings(suite, spec, method_name(spec), model, None, stop, sets, out, data),
+            echo,
+        )
     names = {spec: method_name(spec) for spec in methods}
     if len(set(names.values())) != len(names):
         raise GcfError(f"--methods names a method twice ({', '.join(methods)}).")
@@ -139,27 +243,46 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         from gcfamily.bench.sweep import parse_sweep, plan_sweep
 
         swept = parse_sweep(sweep)
-        plans = plan_sweep(swept, methods, names, seeds, lambda spec, extra: run_settings(suite, spec, names[spec], model, task, stop, extra, out, data),
-                           sets, out)
+        plans = plan_sweep(
+            swept,
+            methods,
+            names,
+            seeds,
+            lambda spec, extra: run_settings(suite, spec, names[spec], model, task, stop, extra, out, data),
+            sets,
+            out,
+        )
     for spec in methods if sweep is None else []:
         for k in range(seeds):
             key = names[spec] if seeds == 1 else f"{names[spec]}/seed-{k}"
             settings = seeded(run_settings(suite, spec, names[spec], model, task, stop, sets, out, data), k, out / key)
             plans[key] = {"method_spec": spec, "settings": settings}
     share_start_evaluations(plans)
+    for name, plan in plans.items():  # every folder before the first run: a refusal leaves the whole suite as it was
+        check_run_folder(out / name, plan, replace_runs)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    threads = threads or (1 if quick else None)  # a tiny model gains nothing from a second thread, and loses much on a busy machine
+    threads = threads or (
+        1 if quick else None
+    )  # a tiny model gains nothing from a second thread, and loses much on a busy machine
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    header = {"model": model, "task": label, "budget": budget, "load_start": _load(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({threads or 'all'} torch threads), {platform.system()}, python {platform.python_version()}"}
+    header = {
+        "model": model,
+        "task": label,
+        "budget": budget,
+        "load_start": _load(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({threads or 'all'} torch threads), {platform.system()}, python {platform.python_version()}",
+    }
     results, kept = {}, []
     for name, plan in plans.items():
         proc = None if fresh else finished_run(out / name, plan)
         if proc is not None:
             kept.append(name)
-            echo(f"[bench] {name}: kept the finished run with the same settings in {out / name} (--fresh runs it again)")
+            echo(
+                f"[bench] {name}: kept the finished run with the same settings in {out / name} (--fresh runs it again)"
+            )
         else:
             echo(f"[bench] {name}: running ({out / name}/bench.log)")
             proc = launch(plan, out / name, env)
@@ -170,8 +293,10 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         if proc["returncode"] != 0:
             echo(f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log")
         else:
-            echo(f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
-                 f"{fmt(r.get('accuracy_after'), '.3f')}, {fmt(r.get('step_s_median'), '.3g')} s/step, peak {proc['max_rss_mb']:.0f} MB")
+            echo(
+                f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
+                f"{fmt(r.get('accuracy_after'), '.3f')}, {fmt(r.get('step_s_median'), '.3g')} s/step, peak {proc['max_rss_mb']:.0f} MB"
+            )
     header.update(load_end=_load(), total_s=sum(r.get("wall_s", 0.0) for r in results.values()), kept=kept)
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
@@ -185,7 +310,9 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         from gcfamily.bench.seeds import band_plots, seeds_table
 
         (out / "bench.md").write_text(seeds_table(per_method, header, baseline or next(iter(per_method))))
-        pngs = band_plots(per_method, out) + plots({k: r for k, r in results.items() if k.endswith("seed-0") or "/" not in k}, out)
+        pngs = band_plots(per_method, out) + plots(
+            {k: r for k, r in results.items() if k.endswith("seed-0") or "/" not in k}, out
+        )
     else:
         (out / "bench.md").write_text(table(results, header))
         pngs = plots(results, out)
@@ -193,39 +320,119 @@ def run_bench(methods: list[str], model: Optional[str], task: str, budget: Optio
         from gcfamily.bench.seeds import frontier_plot
 
         pngs += [p for p in [frontier_plot(per_method, out)] if p is not None]
-    (out / "bench.json").write_text(json.dumps({"header": header, "settings": {n: p["settings"] for n, p in plans.items()},
-                                                "results": results}, indent=1, default=str))
+    (out / "bench.json").write_text(
+        json.dumps(
+            {"header": header, "settings": {n: p["settings"] for n, p in plans.items()}, "results": results},
+            indent=1,
+            default=str,
+        )
+    )
     echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}, " + ", ".join(str(p) for p in pngs))
     return {"header": header, "results": results}
 
 
 @click.command("bench")
-@click.option("--methods", default=None, help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.")
+@click.option(
+    "--methods",
+    default=None,
+    help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.",
+)
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
-@click.option("--task", default="arithmetic", show_default=True,
-              help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, OUT/TASK/).")
-@click.option("--budget", default=None, help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).")
+@click.option(
+    "--task",
+    default="arithmetic",
+    show_default=True,
+    help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, OUT/TASK/).",
+)
+@click.option(
+    "--budget",
+    default=None,
+    help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).",
+)
 @click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
-@click.option("--output-dir", "--out", "out", default=None, help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).")
-@click.option("--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6).")
-@click.option("--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default.")
-@click.option("--fresh", is_flag=True, help="Run every method again, even one that already finished in --out with the same settings.")
-@click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True, help="Runs per method (seeds 0..N-1): means, intervals and bands.")
-@click.option("--baseline", default=None, help="Method every other is compared with, paired over prompts and seeds; default the first.")
-@click.option("--sweep", default=None, help="KEY=V1,V2,...: each method's value chosen on a validation split (never the held-out prompts), "
-              "then its held-out accuracy reported.")
-@click.option("--dataset", default=None, help="Your training rows instead of a task (file, save_to_disk folder or hub id; any TRL format): "
-              "the methods that can train on its format run, the rest are left out and said.")
-@click.option("--eval-dataset", default=None, help="With --dataset: held-out rows scored by --reward before and after training (split: --set eval_split=NAME).")
-@click.option("--reward", multiple=True, help="With --dataset: reward(s) for the on-policy methods and the evaluation: built-in name, module:function or file.py:function.")
-def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optional[str], quick: bool, out: Optional[str],
-          sets: tuple[str, ...], threads: Optional[int], fresh: bool, seeds: int, baseline: Optional[str], sweep: Optional[str],
-          dataset: Optional[str], eval_dataset: Optional[str], reward: tuple[str, ...]) -> None:
+@click.option(
+    "--output-dir",
+    "--out",
+    "out",
+    default=None,
+    help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).",
+)
+@click.option(
+    "--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6)."
+)
+@click.option(
+    "--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default."
+)
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Run every method again, even one that already finished in --out with the same settings.",
+)
+@click.option(
+    "--replace-runs",
+    is_flag=True,
+    help="Replace what a method's folder OUT/<method> holds that this bench did not start: "
+    "a run of your own, a model, or a bench run of other settings (refused without it).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(1, 100),
+    default=1,
+    show_default=True,
+    help="Runs per method (seeds 0..N-1): means, intervals and bands.",
+)
+@click.option(
+    "--baseline",
+    default=None,
+    help="Method every other is compared with, paired over prompts and seeds; default the first.",
+)
+@click.option(
+    "--sweep",
+    default=None,
+    help="KEY=V1,V2,...: each method's value chosen on a validation split (never the held-out prompts), "
+    "then its held-out accuracy reported.",
+)
+@click.option(
+    "--dataset",
+    default=None,
+    help="Your training rows instead of a task (file, save_to_disk folder or hub id; any TRL format): "
+    "the methods that can train on its format run, the rest are left out and said.",
+)
+@click.option(
+    "--eval-dataset",
+    default=None,
+    help="With --dataset: held-out rows scored by --reward before and after training (split: --set eval_split=NAME).",
+)
+@click.option(
+    "--reward",
+    multiple=True,
+    help="With --dataset: reward(s) for the on-policy methods and the evaluation: built-in name, module:function or file.py:function.",
+)
+def bench(
+    methods: Optional[str],
+    model: Optional[str],
+    task: str,
+    budget: Optional[str],
+    quick: bool,
+    out: Optional[str],
+    sets: tuple[str, ...],
+    threads: Optional[int],
+    fresh: bool,
+    replace_runs: bool,
+    seeds: int,
+    baseline: Optional[str],
+    sweep: Optional[str],
+    dataset: Optional[str],
+    eval_dataset: Optional[str],
+    reward: tuple[str, ...],
+) -> None:
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
     if dataset is None and (eval_dataset or reward):
-        raise GcfError("--eval-dataset and --reward go with --dataset (a built-in task brings its own held-out prompts and reward).")
+        raise GcfError(
+            "--eval-dataset and --reward go with --dataset (a built-in task brings its own held-out prompts and reward)."
+        )
 
     if methods == "all":  # every method of the zoo: built in, and registered by installed packages
         from gcfamily.methods import all_methods
@@ -234,12 +441,31 @@ def bench(methods: Optional[str], model: Optional[str], task: str, budget: Optio
     else:
         chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
     folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
-    tasks = [t.strip() for t in task.split(",") if t.strip()] if dataset is None else [Path(dataset.rstrip("/")).stem or dataset]
+    tasks = (
+        [t.strip() for t in task.split(",") if t.strip()]
+        if dataset is None
+        else [Path(dataset.rstrip("/")).stem or dataset]
+    )
     data = None if dataset is None else {"dataset": dataset, "eval_dataset": eval_dataset, "reward": list(reward)}
     failed = []
     for t in tasks:  # several tasks: one suite each, in OUT/<task>/
-        res = run_bench(chosen, model, t, budget, quick, folder / t if len(tasks) > 1 else folder, parse_sets(sets), threads,
-                        echo=click.echo, fresh=fresh, seeds=seeds, baseline=baseline, sweep=sweep, data=data)
+        res = run_bench(
+            chosen,
+            model,
+            t,
+            budget,
+            quick,
+            folder / t if len(tasks) > 1 else folder,
+            parse_sets(sets),
+            threads,
+            echo=click.echo,
+            fresh=fresh,
+            seeds=seeds,
+            baseline=baseline,
+            sweep=sweep,
+            data=data,
+            replace_runs=replace_runs,
+        )
         failed += [f"{n} ({t})" if len(tasks) > 1 else n for n, r in res["results"].items() if r.get("returncode") != 0]
     if failed:
         raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

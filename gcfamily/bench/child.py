@@ -64,9 +64,11 @@ class GCRecorder:
             lo, hi = lo - 0.5, hi + 0.5
         counts = torch.histc(allv.double(), bins=40, min=lo, max=hi)
         return {
-            "per_step": steps, "tokens": int(allv.numel()),
+            "per_step": steps,
+            "tokens": int(allv.numel()),
             "quantiles": dict(zip(["p5", "p25", "p50", "p75", "p95"], _quantiles(allv, qs))),
-            "mean": float(allv.mean()), "std": float(allv.std()) if allv.numel() > 1 else 0.0,
+            "mean": float(allv.mean()),
+            "std": float(allv.std()) if allv.numel() > 1 else 0.0,
             "zero_frac": float((allv == 0).float().mean()),
             "hist": {"counts": [int(c) for c in counts.tolist()], "lo": lo, "hi": hi},
         }
@@ -113,10 +115,22 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
         return None
     policy = trainer.unwrapped_policy().eval()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ro = generate(policy, trainer.tokenizer, [trainer.formatter.prompt_ids(r["prompt"]) for r in rows], 1,
-                  SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens), gen)
-    batch = {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(), "loss_mask": ro.completion_mask.cpu()}
-    ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)  # the untouched initial model
+    ro = generate(
+        policy,
+        trainer.tokenizer,
+        [trainer.formatter.prompt_ids(r["prompt"]) for r in rows],
+        1,
+        SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens),
+        gen,
+    )
+    batch = {
+        "input_ids": ro.input_ids.cpu(),
+        "attention_mask": ro.attention_mask.cpu(),
+        "loss_mask": ro.completion_mask.cpu(),
+    }
+    ref, _ = load_model(
+        cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed
+    )  # the untouched initial model
     float32 = getattr(getattr(trainer, "precision", None), "compute", torch.float32) == torch.float32
     lp = ro.sample_logps.float().cpu() if float32 else trainer.services.logprobs(policy, batch)  # [N, L]
     lr = trainer.services.logprobs(ref.eval(), batch)  # [N, L]
@@ -132,9 +146,16 @@ def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
     from gcfamily.run.logger import read_metrics
 
     try:
-        figures = next({k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(source) if r.get("step") == 0
-                       and any(k.startswith("eval/") for k in r))
-        details = next(line for line in (source / "eval_details.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] == 0)
+        figures = next(
+            {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(source)
+            if r.get("step") == 0 and any(k.startswith("eval/") for k in r)
+        )
+        details = next(
+            line
+            for line in (source / "eval_details.jsonl").read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] == 0
+        )
     except (OSError, ValueError, StopIteration):
         return False
     own = trainer.evaluate
@@ -162,8 +183,16 @@ def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
 
         t2 = time.perf_counter()
         k = max(cfg.group_size, 1)
-        out["pass_at_k"] = sampled_pass_at_k(trainer.unwrapped_policy(), trainer.formatter, rows, reward, k,
-                                             cfg.temperature, cfg.max_new_tokens, cfg.seed + 2)
+        out["pass_at_k"] = sampled_pass_at_k(
+            trainer.unwrapped_policy(),
+            trainer.formatter,
+            rows,
+            reward,
+            k,
+            cfg.temperature,
+            cfg.max_new_tokens,
+            cfg.seed + 2,
+        )
         out["pass_s"] = time.perf_counter() - t2
     return out
 
@@ -184,9 +213,15 @@ def child(spec_path: str) -> None:
     run_s = time.perf_counter() - t0
     with onednn.packing(cfg.rollout_pack_weights):  # the run's setting for the rollouts below too
         extra = _measure(trainer, cfg)
-    extra.update({"gc": recorder.summary(), "run_s": run_s, "steps": trainer.step,
-                  "start_eval_from": spec.get("start_eval_from") if reused else None,
-                  "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters())})
+    extra.update(
+        {
+            "gc": recorder.summary(),
+            "run_s": run_s,
+            "steps": trainer.step,
+            "start_eval_from": spec.get("start_eval_from") if reused else None,
+            "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters()),
+        }
+    )
     (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))
     # the finished run keeps its final model; its resumable checkpoints (weights and optimizer state) go
     shutil.rmtree(Path(cfg.output_dir) / "checkpoints", ignore_errors=True)

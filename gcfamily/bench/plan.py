@@ -12,7 +12,10 @@ from gcfamily.errors import GcfError
 
 DEFAULT_METHODS = ("sft", "rft", "grpo", "ppo", "dpo")
 TASK_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "sorting-short": ("sorting", {"min_len": 2, "max_len": 3}),  # SmolLM2-135M-Instruct starts at 0.296 (148/500 held-out, greedy)
+    "sorting-short": (
+        "sorting",
+        {"min_len": 2, "max_len": 3},
+    ),  # SmolLM2-135M-Instruct starts at 0.296 (148/500 held-out, greedy)
 }
 """Task names with options, for a second task where the base model starts between 10% and 60%. SmolLM2-135M-Instruct, greedy,
 16 new tokens (`gcf eval --samples 500 --max-new-tokens 16`): arithmetic (mixed levels) 0.400 on its 205 distinct held-out prompts,
@@ -65,7 +68,9 @@ def parse_budget(budget: str) -> dict[str, Any]:
     except ValueError:
         amount = -1.0
     if kind not in BUDGET_KINDS or amount <= 0:
-        raise GcfError(f"--budget {budget!r} must look like steps:N, tokens:N, time:SECONDS or flops:N with a positive number.")
+        raise GcfError(
+            f"--budget {budget!r} must look like steps:N, tokens:N, time:SECONDS or flops:N with a positive number."
+        )
     if kind == "steps":
         return {"max_steps": int(amount)}
     if kind == "tokens":
@@ -102,10 +107,17 @@ def recipe(suite: dict[str, Any], spec: str, name: str) -> dict[str, Any]:
     from gcfamily.methods import setting_names
 
     known = setting_names(spec)
-    return {k: v for k, v in own.items() if k in known}  # beta is GRPO's KL weight or DPO's temperature: only where the method has it
+    return {
+        k: v for k, v in own.items() if k in known
+    }  # beta is GRPO's KL weight or DPO's temperature: only where the method has it
 
 
-DATA_KINDS = {"demonstrations": "demonstrations", "prompts": "own samples", "pairs": "offline pairs", "labelled": "labelled completions"}
+DATA_KINDS = {
+    "demonstrations": "demonstrations",
+    "prompts": "own samples",
+    "pairs": "offline pairs",
+    "labelled": "labelled completions",
+}
 
 
 def data_label(spec: str) -> str:
@@ -116,19 +128,38 @@ def data_label(spec: str) -> str:
     return DATA_KINDS.get(cls.data_kind, cls.data_kind or "-")
 
 
-def run_settings(suite: dict[str, Any], spec: str, name: str, model: str, task: Optional[str], budget: dict[str, Any],
-                 sets: dict[str, str], out: Path, data: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def run_settings(
+    suite: dict[str, Any],
+    spec: str,
+    name: str,
+    model: str,
+    task: Optional[str],
+    budget: dict[str, Any],
+    sets: dict[str, str],
+    out: Path,
+    data: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Settings of one method's run: common, the method's recipe, the budget, the user's data (dataset, eval_dataset,
     reward: then no task), then --set (KEY or METHOD.KEY).
 
     A plain KEY reaches every method that has that setting (a shared one, or one of its own: `beta` is GRPO's
     KL weight and DPO's temperature, and SFT has none); `check_sets` refuses a key no method of the suite has."""
     from gcfamily.methods import resolve, setting_names
-    from gcfamily.config.checks import validate
+    from gcfamily.config import validate
 
     task, options = TASK_PRESETS.get(task, (task, {}))
-    s: dict[str, Any] = {"method": spec, "model": model, "task": task, "seed": 0, "eval_at_ends": True, "progress": False,
-                         "save_every": 0, "keep_last": 1, "output_dir": str(out / name), "overwrite": True}
+    s: dict[str, Any] = {
+        "method": spec,
+        "model": model,
+        "task": task,
+        "seed": 0,
+        "eval_at_ends": True,
+        "progress": False,
+        "save_every": 0,
+        "keep_last": 1,
+        "output_dir": str(out / name),
+        "overwrite": True,
+    }
     if options:
         s["task_options"] = dict(options)
     s.update(suite["common"])
@@ -164,10 +195,14 @@ def dataset_suite(methods: list[str], data: dict[str, Any], settings_of: Any, ec
     from gcfamily.methods import get_method
 
     if not data.get("reward"):
-        raise GcfError("--dataset needs --reward: it scores the on-policy methods' samples and every method's held-out answers.")
+        raise GcfError(
+            "--dataset needs --reward: it scores the on-policy methods' samples and every method's held-out answers."
+        )
     if not data.get("eval_dataset"):
-        raise GcfError("--dataset needs --eval-dataset: held-out rows (a file, a save_to_disk folder or a hub id; --set eval_split=NAME "
-                       "picks its split) that --reward scores before and after training.")
+        raise GcfError(
+            "--dataset needs --eval-dataset: held-out rows (a file, a save_to_disk folder or a hub id; --set eval_split=NAME "
+            "picks its split) that --reward scores before and after training."
+        )
     cfg = resolve(None, settings_of(methods[0]))  # columns, split and subset as the runs will read them
     rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config, cfg.columns)
     if not rows:
@@ -180,9 +215,13 @@ def dataset_suite(methods: list[str], data: dict[str, Any], settings_of: Any, ec
             usable.append(spec)
         else:
             takes = " or ".join(FORMATS[f] for f in KINDS.get(kind, ()))
-            echo(f"[bench] {method_name(spec)}: left out: it trains on {takes or kind} rows, and the dataset's are {FORMATS[fmt]}")
+            echo(
+                f"[bench] {method_name(spec)}: left out: it trains on {takes or kind} rows, and the dataset's are {FORMATS[fmt]}"
+            )
     if not usable:
-        raise GcfError(f"No method of the suite can train on {FORMATS[fmt]} rows; choose methods that take them with --methods.")
+        raise GcfError(
+            f"No method of the suite can train on {FORMATS[fmt]} rows; choose methods that take them with --methods."
+        )
     return usable
 
 
@@ -193,14 +232,40 @@ def check_sets(sets: dict[str, str], methods: list[str]) -> None:
     known = set().union(*(setting_names(m) for m in methods))
     for key in sets:
         if "." not in key and key.replace("-", "_") not in known:
-            raise GcfError(f"Unknown setting '{key}': no method of this suite ({', '.join(methods)}) has it; see `gcf settings --method M`.")
+            raise GcfError(
+                f"Unknown setting '{key}': no method of this suite ({', '.join(methods)}) has it; see `gcf settings --method M`."
+            )
 
 
 # Settings that cannot change the policy before the first step, nor how it is evaluated (greedy, on the held-out prompts):
 # runs that differ only in these share one evaluation before training. Any other difference evaluates again.
-START_FREE = frozenset({"method", "lr", "beta", "critic_lr", "batch_size", "micro_batch_size", "group_size", "temperature", "top_p", "top_k",
-                        "output_dir", "max_steps", "max_time", "max_tokens", "max_flops", "eval_every", "eval_every_s", "save_every",
-                        "keep_last", "progress", "overwrite", "log_every", "report_to"})
+START_FREE = frozenset(
+    {
+        "method",
+        "lr",
+        "beta",
+        "critic_lr",
+        "batch_size",
+        "micro_batch_size",
+        "group_size",
+        "temperature",
+        "top_p",
+        "top_k",
+        "output_dir",
+        "max_steps",
+        "max_time",
+        "max_tokens",
+        "max_flops",
+        "eval_every",
+        "eval_every_s",
+        "save_every",
+        "keep_last",
+        "progress",
+        "overwrite",
+        "log_every",
+        "report_to",
+    }
+)
 
 
 def start_key(settings: dict[str, Any]) -> str:

@@ -21,8 +21,22 @@ from typing import Any, Optional
 from gcfamily.bench.report import fmt
 from gcfamily.core.stats import mean_interval, seeds_bootstrap, wilson
 
-FIGURES = ("accuracy_before", "accuracy_after", "pass_at_1", "pass_at_k", "reward_final", "kl_ref", "steps", "step_s_median", "peak_memory_mb",
-           "train_tokens", "generated_tokens", "elapsed_s", "prompts_seen", "train_flops")
+FIGURES = (
+    "accuracy_before",
+    "accuracy_after",
+    "pass_at_1",
+    "pass_at_k",
+    "reward_final",
+    "kl_ref",
+    "steps",
+    "step_s_median",
+    "peak_memory_mb",
+    "train_tokens",
+    "generated_tokens",
+    "elapsed_s",
+    "prompts_seen",
+    "train_flops",
+)
 
 
 def heldout(folder: Path, final: bool = True, accuracy: bool = True) -> Optional[dict[tuple[int, str], float]]:
@@ -39,6 +53,7 @@ def heldout(folder: Path, final: bool = True, accuracy: bool = True) -> Optional
     if not records:
         return None
     rec = max(records, key=lambda r: r["step"]) if final else records[0]
+
     def score(r: Optional[float]) -> float:
         return float(r is not None and r >= 1.0) if accuracy else float(r or 0.0)
 
@@ -60,7 +75,9 @@ def _finite(xs: list[Any]) -> list[float]:
 
 def is_accuracy(per_method: dict[str, list[dict[str, Any]]]) -> bool:
     """Whether the suite's held-out figure is accuracy (a task, or eval rows with an answer), not mean reward."""
-    return all(r.get("heldout_figure", "eval/accuracy") == "eval/accuracy" for runs in per_method.values() for r in runs)
+    return all(
+        r.get("heldout_figure", "eval/accuracy") == "eval/accuracy" for runs in per_method.values() for r in runs
+    )
 
 
 def aggregate(runs: list[dict[str, Any]], accuracy: bool = True) -> dict[str, Any]:
@@ -83,7 +100,9 @@ def aggregate(runs: list[dict[str, Any]], accuracy: bool = True) -> dict[str, An
 def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]], accuracy: bool = True) -> Optional[dict[str, Any]]:
     """The difference in final held-out accuracy to the baseline: `seeds_bootstrap` over each method's successful seeds,
     on the prompts every one of those runs answered (matched by position and text)."""
-    got = [[heldout(Path(r["folder"]), accuracy=accuracy) for r in rs if r.get("returncode") == 0] for rs in (runs, base)]
+    got = [
+        [heldout(Path(r["folder"]), accuracy=accuracy) for r in rs if r.get("returncode") == 0] for rs in (runs, base)
+    ]
     got = [[x for x in g if x] for g in got]
     if not got[0] or not got[1]:
         return None
@@ -111,38 +130,81 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
     acc = is_accuracy(per_method)
     figure = "held-out acc" if acc else "held-out mean reward"
     agg = {m: aggregate(runs, acc) for m, runs in per_method.items()}
-    comp = {m: paired(runs, per_method[baseline], acc) for m, runs in per_method.items() if baseline in per_method and m != baseline}
+    comp = {
+        m: paired(runs, per_method[baseline], acc)
+        for m, runs in per_method.items()
+        if baseline in per_method and m != baseline
+    }
     seeds = max(len(r) for r in per_method.values())
-    lines = [f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}, {seeds} seed(s)", "",
-             f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
-             f"total {header['total_s']:.0f} s of runs.", "",
-             f"| method | data | seeds | {figure} before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (bootstrap over prompts and seeds, 95%) "
-             "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# gcf bench: {header['model']} on {header['task']}, budget {header['budget']}, {seeds} seed(s)",
+        "",
+        f"{header['machine']}; load average {header['load_start']} at the start, {header['load_end']} at the end; {header['date']}; "
+        f"total {header['total_s']:.0f} s of runs.",
+        "",
+        f"| method | data | seeds | {figure} before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (bootstrap over prompts and seeds, 95%) "
+        "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m, a in agg.items():
         pooled = a["pooled"]
         pooled_s = "-" if pooled is None else f"{pooled[0]:.3f} [{pooled[1]:.3f}, {pooled[2]:.3f}] (n={a['pooled_n']})"
         c = comp.get(m)
-        vs = "baseline" if m == baseline else "-" if c is None else (
-            f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" + (" **significant**" if c["significant"] else " (not significant)"))
+        vs = (
+            "baseline"
+            if m == baseline
+            else "-"
+            if c is None
+            else (
+                f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+                + (" **significant**" if c["significant"] else " (not significant)")
+            )
+        )
         failed = a["seeds"] - a["ok"]
-        lines.append("| " + " | ".join([
-            m, next((r["data"] for r in per_method[m] if r.get("data")), "-"), f"{a['ok']}" + (f" ({failed} failed)" if failed else ""), _ci(a["accuracy_before"]), _ci(a["accuracy_after"]), pooled_s, vs,
-            f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)}" + (f" (k={runs_k(per_method[m])})" if runs_k(per_method[m]) else ""),
-            _ci(a["reward_final"]), _ci(a["kl_ref"], ".2g"),
-            *(_ci(a[k], spec, interval=False) for k, spec in (("steps", ".0f"), ("prompts_seen", ".0f"), ("train_tokens", ".3g"),
-                                                              ("generated_tokens", ".3g"), ("train_flops", ".2e"), ("step_s_median", ".3g"),
-                                                              ("peak_memory_mb", ".0f")))]) + " |")
-    lines += ["", "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, each distinct prompt of the first "
-              "`eval_samples` test rows once. Before: one evaluation, shared by every run that starts from the same model. Intervals "
-              "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
-              "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
-              "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
-              "resample draws the held-out prompts with replacement (the same prompts for both methods: paired) and each method's seeds "
-              "with replacement, apart (10,000 resamples, seed 0), so it holds the spread between training runs as well as the "
-              "prompts'; significant when its 95% interval excludes 0. "
-              "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
-              "the loss-token-only head do less). Prompts seen: steps x batch_size."]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    m,
+                    next((r["data"] for r in per_method[m] if r.get("data")), "-"),
+                    f"{a['ok']}" + (f" ({failed} failed)" if failed else ""),
+                    _ci(a["accuracy_before"]),
+                    _ci(a["accuracy_after"]),
+                    pooled_s,
+                    vs,
+                    f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)}"
+                    + (f" (k={runs_k(per_method[m])})" if runs_k(per_method[m]) else ""),
+                    _ci(a["reward_final"]),
+                    _ci(a["kl_ref"], ".2g"),
+                    *(
+                        _ci(a[k], spec, interval=False)
+                        for k, spec in (
+                            ("steps", ".0f"),
+                            ("prompts_seen", ".0f"),
+                            ("train_tokens", ".3g"),
+                            ("generated_tokens", ".3g"),
+                            ("train_flops", ".2e"),
+                            ("step_s_median", ".3g"),
+                            ("peak_memory_mb", ".0f"),
+                        )
+                    ),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Every method and seed is evaluated on the same held-out prompts (task_seed 0): greedy, each distinct prompt of the first "
+        "`eval_samples` test rows once. Before: one evaluation, shared by every run that starts from the same model. Intervals "
+        "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
+        "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
+        "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
+        "resample draws the held-out prompts with replacement (the same prompts for both methods: paired) and each method's seeds "
+        "with replacement, apart (10,000 resamples, seed 0), so it holds the spread between training runs as well as the "
+        "prompts'; significant when its 95% interval excludes 0. "
+        "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
+        "the loss-token-only head do less). Prompts seen: steps x batch_size.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -154,14 +216,20 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
     import matplotlib.pyplot as plt
 
     written = []
-    for key, fname, label in (("reward/mean", "reward_bands.png", "reward (mean of the step's samples)"),
-                              ("eval/accuracy", "accuracy_bands.png", "held-out accuracy (greedy)")):
+    for key, fname, label in (
+        ("reward/mean", "reward_bands.png", "reward (mean of the step's samples)"),
+        ("eval/accuracy", "accuracy_bands.png", "held-out accuracy (greedy)"),
+    ):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for i, (m, all_runs) in enumerate(per_method.items()):
-            runs = [r for r in all_runs if r.get("returncode") == 0]  # a failed run's last figures are not its final ones
+            runs = [
+                r for r in all_runs if r.get("returncode") == 0
+            ]  # a failed run's last figures are not its final ones
             if not runs:
                 continue
-            if key == "eval/accuracy":  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
+            if (
+                key == "eval/accuracy"
+            ):  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
                 xs, ys = evaluation_points(runs)
             else:
                 by_step: dict[int, list[float]] = {}
@@ -173,9 +241,18 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
                 xs, ys = [float(s) for s in steps], [by_step[s] for s in steps]
             if not xs:
                 continue
-            ax.plot(xs, [sum(y) / len(y) for y in ys], color=f"C{i}", label=f"{m} ({len(runs)} seeds)", marker="o" if key == "eval/accuracy" else None, ms=3)
+            ax.plot(
+                xs,
+                [sum(y) / len(y) for y in ys],
+                color=f"C{i}",
+                label=f"{m} ({len(runs)} seeds)",
+                marker="o" if key == "eval/accuracy" else None,
+                ms=3,
+            )
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}", alpha=0.2)
-        ax.set_xlabel("optimizer step" if key != "eval/accuracy" else "training seconds (mean over seeds at each evaluation)")
+        ax.set_xlabel(
+            "optimizer step" if key != "eval/accuracy" else "training seconds (mean over seeds at each evaluation)"
+        )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ax.has_data():
@@ -226,9 +303,21 @@ def frontier_plot(per_method: dict[str, list[dict[str, Any]]], out: Path) -> Opt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, (m, runs) in enumerate(per_method.items()):
         for j, r in enumerate(r for r in runs if r.get("returncode") == 0):
-            pts = [(kl_of(row), row["reward/mean"]) for row in r.get("per_step") or [] if row.get("reward/mean") is not None and kl_of(row) is not None]
+            pts = [
+                (kl_of(row), row["reward/mean"])
+                for row in r.get("per_step") or []
+                if row.get("reward/mean") is not None and kl_of(row) is not None
+            ]
             if pts:
-                axes[0].plot(*zip(*pts), color=f"C{i}", alpha=0.8 if j == 0 else 0.35, lw=1, marker=".", ms=3, label=m if j == 0 else None)
+                axes[0].plot(
+                    *zip(*pts),
+                    color=f"C{i}",
+                    alpha=0.8 if j == 0 else 0.35,
+                    lw=1,
+                    marker=".",
+                    ms=3,
+                    label=m if j == 0 else None,
+                )
             if r.get("kl_ref") is not None and r.get("accuracy_after") is not None:
                 axes[1].scatter([r["kl_ref"]], [r["accuracy_after"]], color=f"C{i}", label=m if j == 0 else None, s=18)
     axes[0].set_xlabel("KL to the reference (the method's own per-token estimate, logged each step)")

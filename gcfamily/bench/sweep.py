@@ -21,12 +21,21 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     key, _, values = text.partition("=")
     vals = [v.strip() for v in values.split(",") if v.strip()]
     if not key.strip() or len(vals) < 2:
-        raise GcfError(f"--sweep {text!r} must look like KEY=V1,V2[,...] with at least two values, e.g. lr=1e-6,3e-6,1e-5.")
+        raise GcfError(
+            f"--sweep {text!r} must look like KEY=V1,V2[,...] with at least two values, e.g. lr=1e-6,3e-6,1e-5."
+        )
     return key.strip(), vals
 
 
-def plan_sweep(swept: tuple[str, list[str]], methods: list[str], names: dict[str, str], seeds: int,
-               settings_of: Callable[[str, dict[str, str]], dict[str, Any]], sets: dict[str, str], out: Path) -> dict[str, dict[str, Any]]:
+def plan_sweep(
+    swept: tuple[str, list[str]],
+    methods: list[str],
+    names: dict[str, str],
+    seeds: int,
+    settings_of: Callable[[str, dict[str, str]], dict[str, Any]],
+    sets: dict[str, str],
+    out: Path,
+) -> dict[str, dict[str, Any]]:
     """One run per method, value and seed (OUT/METHOD/KEY=V[/seed-K]); a method without the setting runs once per seed."""
     from gcfamily.bench.plan import seeded
     from gcfamily.methods import setting_names
@@ -38,21 +47,33 @@ def plan_sweep(swept: tuple[str, list[str]], methods: list[str], names: dict[str
             for k in range(seeds):
                 name = names[spec] + ("" if v is None else f"/{key}={v}") + (f"/seed-{k}" if seeds > 1 else "")
                 settings = seeded(settings_of(spec, dict(sets) if v is None else {**sets, key: v}), k, out / name)
-                settings["validation_rows"] = int(settings.get("eval_samples", 64))  # the choice never reads the test split
+                settings["validation_rows"] = int(
+                    settings.get("eval_samples", 64)
+                )  # the choice never reads the test split
                 plans[name] = {"method_spec": spec, "settings": settings}
     return plans
 
 
-def write_sweep(swept: tuple[str, list[str]], per_method: dict[str, list[dict[str, Any]]], plans: dict[str, dict[str, Any]], seeds: int,
-                header: dict[str, Any], out: Path) -> None:
+def write_sweep(
+    swept: tuple[str, list[str]],
+    per_method: dict[str, list[dict[str, Any]]],
+    plans: dict[str, dict[str, Any]],
+    seeds: int,
+    header: dict[str, Any],
+    out: Path,
+) -> None:
     """Choose each method's value on validation (mean over seeds), then read the test split for the chosen runs only; bench.md."""
     key, values = swept
     settings = {p["settings"]["output_dir"]: p["settings"] for p in plans.values()}
     base_acc = heldout_of(None, next(iter(settings.values())))
     for runs in per_method.values():
         for r in runs:
-            r["val_accuracy"] = final_validation(Path(r["folder"])) if r.get("returncode") == 0 else None  # a failed run's last is not final
-        groups = [runs[i : i + seeds] for i in range(0, len(runs), seeds)]  # one group of seeds per value, in the order given
+            r["val_accuracy"] = (
+                final_validation(Path(r["folder"])) if r.get("returncode") == 0 else None
+            )  # a failed run's last is not final
+        groups = [
+            runs[i : i + seeds] for i in range(0, len(runs), seeds)
+        ]  # one group of seeds per value, in the order given
         means = [_mean_of([r["val_accuracy"] for r in g]) for g in groups]
         i = choose([str(j) for j in range(len(groups))], means)
         for j, g in enumerate(groups):
@@ -107,17 +128,32 @@ def heldout_of(folder: Optional[Path], settings: dict[str, Any]) -> float:
         return heldout_accuracy(model, tok, task, cfg.eval_samples, cfg.max_new_tokens, formatter=fmt_)
 
 
-def sweep_table(key: str, values: list[str], per_method: dict[str, list[dict[str, Any]]], base_acc: float, header: dict[str, Any],
-                seeds: int = 1) -> str:
+def sweep_table(
+    key: str,
+    values: list[str],
+    per_method: dict[str, list[dict[str, Any]]],
+    base_acc: float,
+    header: dict[str, Any],
+    seeds: int = 1,
+) -> str:
     """bench.md of a sweep: validation accuracy per value (mean over seeds), the choice, and the held-out accuracy at it."""
     from gcfamily.core.stats import mean_interval
 
     seeded = seeds > 1
-    lines = [f"# gcf bench --sweep {key}" + (f" --seeds {seeds}" if seeded else "") + f": {header['model']} on {header['task']}, budget {header['budget']}", "",
-             f"{header['machine']}; {header['date']}; total {header['total_s']:.0f} s of runs.", "",
-             "| method | " + " | ".join(f"{key}={v}: validation acc" + (" (mean)" if seeded else "") for v in values)
-             + f" | chosen {key} | held-out acc before | after, at the chosen" + (" (mean [95% CI over seeds])" if seeded else "") + " |",
-             "|---" * (len(values) + 4) + "|"]
+    lines = [
+        f"# gcf bench --sweep {key}"
+        + (f" --seeds {seeds}" if seeded else "")
+        + f": {header['model']} on {header['task']}, budget {header['budget']}",
+        "",
+        f"{header['machine']}; {header['date']}; total {header['total_s']:.0f} s of runs.",
+        "",
+        "| method | "
+        + " | ".join(f"{key}={v}: validation acc" + (" (mean)" if seeded else "") for v in values)
+        + f" | chosen {key} | held-out acc before | after, at the chosen"
+        + (" (mean [95% CI over seeds])" if seeded else "")
+        + " |",
+        "|---" * (len(values) + 4) + "|",
+    ]
     for m, runs in per_method.items():
         groups = [runs[i : i + seeds] for i in range(0, len(runs), seeds)]
         scores = [g[0].get("val_mean") for g in groups]
@@ -134,7 +170,12 @@ def sweep_table(key: str, values: list[str], per_method: dict[str, list[dict[str
             i = next((j for j, g in enumerate(groups) if g[0].get("chosen")), None)
             cells, chosen = [fmt(x, ".3f") for x in scores], values[i] if i is not None else "-"
         lines.append("| " + " | ".join([m, *cells, chosen, fmt(base_acc, ".3f"), after]) + " |")
-    lines += ["", "Validation: the last eval_samples rows of the task's train split, kept out of training (validation_rows); the choice "
-              "reads only these" + (", averaged over the seeds" if seeded else "") + ". Held-out: the test split, read once for each "
-              "final model of the chosen value, and once for the base model."]
+    lines += [
+        "",
+        "Validation: the last eval_samples rows of the task's train split, kept out of training (validation_rows); the choice "
+        "reads only these"
+        + (", averaged over the seeds" if seeded else "")
+        + ". Held-out: the test split, read once for each "
+        "final model of the chosen value, and once for the base model.",
+    ]
     return "\n".join(lines) + "\n"

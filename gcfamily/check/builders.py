@@ -17,8 +17,6 @@ from gcfamily.check.world import FAILED, FAR, REWARDS, WARMUP, G, L, N, StubCrit
 from gcfamily.methods.base import Batch, Method
 
 
-
-
 @dataclass
 class Built:
     method: Method
@@ -44,8 +42,11 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
     up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo))
     band_up = math.log1p(0.5 * (lo + hi)) if lo != hi else None
     band_down = math.log1p(-0.5 * (lo + hi)) if lo != hi and lo + hi < 2 else None
-    cycles = {1: [up, band_up, math.log1p(0.5 * a), down], -1: [down, band_down, math.log1p(-0.5 * a), up],
-              0: [math.log1p(0.5 * a), up, band_up, math.log1p(-0.5 * a), down, band_down]}
+    cycles = {
+        1: [up, band_up, math.log1p(0.5 * a), down],
+        -1: [down, band_down, math.log1p(-0.5 * a), up],
+        0: [math.log1p(0.5 * a), up, band_up, math.log1p(-0.5 * a), down, band_down],
+    }
     cycles = {k: [x for x in c if x is not None] for k, c in cycles.items()}
     count = Counter()
     for i, sign in enumerate(signs):
@@ -54,14 +55,21 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
             noise = 0.05 * torch.randn(len(pos), generator=gen, dtype=torch.float64)
             world.log_ratio[i, pos] = cyc[count[sign] % len(cyc)] + noise - noise.mean()
         else:
-            world.log_ratio[i, pos] = torch.tensor([cyc[(count[sign] + k) % len(cyc)] for k in range(len(pos))], dtype=torch.float64)
+            world.log_ratio[i, pos] = torch.tensor(
+                [cyc[(count[sign] + k) % len(cyc)] for k in range(len(pos))], dtype=torch.float64
+            )
         count[sign] += 1
 
 
 def _scored(world: World, rewards: list[float]) -> Batch:
     valid = torch.ones(N, dtype=torch.bool)
     valid[FAILED] = False
-    return {**world.rows(range(N)), "rewards": torch.tensor(rewards), "valid": valid, "prompt_index": torch.arange(N) // G}
+    return {
+        **world.rows(range(N)),
+        "rewards": torch.tensor(rewards),
+        "valid": valid,
+        "prompt_index": torch.arange(N) // G,
+    }
 
 
 def _onpolicy(cls: type[Method], settings: dict, world: World) -> tuple[Method, StubServices]:
@@ -75,21 +83,34 @@ def _place_clip_and_kl(m: Method, world: World, signs: list[int], tb: dict, gen:
     world.ref_offset[FAR, world.positions(FAR)[0]] = -25.0  # |log pi_ref/pi| past any clamp
 
 
-def build_groups(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_groups(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """On-policy groups (GRPO and its variants): the method's setup and prepare on 4 prompts x G scored samples,
     after one warm-up step (prepare, after_step) that sets any running state such as a baseline."""
     m, stub = _onpolicy(cls, settings, world)
-    _place_clip_and_kl(m, world, _signs(REWARDS, [i != FAILED for i in range(N)]), tb or {"ratio": cls.ratio_level}, gen)
+    _place_clip_and_kl(
+        m, world, _signs(REWARDS, [i != FAILED for i in range(N)]), tb or {"ratio": cls.ratio_level}, gen
+    )
     m.setup(stub)  # type: ignore[arg-type]
     warm = torch.tensor(WARMUP)
-    m.prepare({**world.rows(range(N)), "rewards": warm, "valid": torch.ones(N, dtype=torch.bool), "prompt_index": torch.arange(N) // G})
+    m.prepare(
+        {
+            **world.rows(range(N)),
+            "rewards": warm,
+            "valid": torch.ones(N, dtype=torch.bool),
+            "prompt_index": torch.arange(N) // G,
+        }
+    )
     m.after_step(1)
     raw = _scored(world, REWARDS)
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
     return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
 
 
-def build_ppo(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_ppo(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """PPO: its prepare (values, token rewards, GAE, whitening) with a stub critic in place of setup's model."""
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
@@ -110,7 +131,9 @@ def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None,
         world.ref_offset[w, world.positions(w)[0]] += d - target
 
 
-def build_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_pairs(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """Offline preference pairs (DPO and its variants): chosen at 2i, rejected at 2i+1, example weight 1/2."""
     m = make(cls, settings)
     pairs = [(2 * k, 2 * k + 1) for k in range(N // 2)]
@@ -120,7 +143,9 @@ def build_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Gene
     ref = stub.logprobs(stub.ref, world.rows(range(N))).double()
     if getattr(cls, "uses_reference", True):
         batch["ref_logps"] = ref.float()
-    return Built(m, batch, None if tb is None else (lambda lp: _pairs_textbook(lp, pairs, ref, world, m, tb, Counter())))
+    return Built(
+        m, batch, None if tb is None else (lambda lp: _pairs_textbook(lp, pairs, ref, world, m, tb, Counter()))
+    )
 
 
 def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
@@ -140,7 +165,9 @@ def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Me
     return Textbook(t.J, br, t.required | {"failed rewards", "prompts skipped (equal rewards)"})
 
 
-def build_online_pairs(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_online_pairs(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """Online DPO: the method's setup and prepare pair its own scored samples."""
     m, stub = _onpolicy(cls, settings, world)
     _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
@@ -154,12 +181,17 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubSe
     """KTO (Ethayarajh et al. 2024, eq. 8): lambda_y (1 - sigmoid(+-beta (r - z0))), r = sum_t log pi/pi_ref,
     z0 = max(0, mean of r over mismatched prompt/completion rows), held constant."""
     s, mask = m.settings, raw["loss_mask"].double()
-    kl = ((stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows["loss_mask"]).sum(-1)
+    kl = (
+        (stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows["loss_mask"]
+    ).sum(-1)
     z0 = float(kl.mean().clamp(min=0.0))  # max(0.0, nan) would be 0.0; clamp keeps a NaN, which then fails by name
     r = ((lp_all[raw["row_id"]] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
     good = raw["desirable"]
-    loss = torch.where(good, s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
-                       s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)))  # [B]: lambda_y (1 - sigmoid(...))
+    loss = torch.where(
+        good,
+        s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
+        s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)),
+    )  # [B]: lambda_y (1 - sigmoid(...))
     br = Counter({"z0 = 0 (mean KL below 0)": int(z0 == 0.0), "z0 > 0": int(z0 > 0.0)})
     for label, sel in (("desirable", good), ("undesirable", ~good)):
         br[f"{label}, r > z0"] += int((sel & (r.detach() > z0)).sum())
@@ -167,14 +199,18 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubSe
     return Textbook(-loss.sum() / len(r), br, set(br))
 
 
-def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_unpaired(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """KTO: rows 0..7 labelled alternately, rows 8..15 the mismatched pairs of z0; prepare on the stub trainer."""
     m = make(cls, settings)
     stub = StubServices(m.cfg, world, 1.0)
     m.services, m.ref = stub, stub.reference()  # type: ignore[assignment,attr-defined]
     n = N // 2
     sign = 1.0 if seed % 2 == 0 else -1.0  # the mismatched rows' mean KL: below 0 (z0 clamped) or above
-    world.ref_offset[n:] = (0.2 * torch.randn(n, L, generator=gen, dtype=torch.float64) + sign * 0.5) * world.loss_mask[n:]
+    world.ref_offset[n:] = (0.2 * torch.randn(n, L, generator=gen, dtype=torch.float64) + sign * 0.5) * world.loss_mask[
+        n:
+    ]
     z0 = float(-(world.ref_offset[n:] * world.loss_mask[n:]).sum(-1).mean().clamp(min=0.0))
     for k in range(n):  # r = z0 +- delta for both labels
         target = z0 + (1 if (k // 2) % 2 == 0 else -1) * (0.5 + 0.25 * k) / m.settings.beta
@@ -185,7 +221,9 @@ def build_unpaired(cls: type[Method], settings: dict, world: World, gen: torch.G
     return Built(m, batch, None if tb is None else (lambda lp: _kto_textbook(lp, raw, kl_rows, stub, m)))
 
 
-def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_kept(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """Rejection sampling: the method's prepare keeps the valid samples whose reward clears the threshold."""
     m, stub = _onpolicy(cls, settings, world)
     m.setup(stub)  # type: ignore[arg-type]
@@ -194,15 +232,22 @@ def build_kept(cls: type[Method], settings: dict, world: World, gen: torch.Gener
 
     def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
         kept = raw["valid"] & (raw["rewards"] >= m.settings.reward_threshold)
-        br = Counter({"kept": int(kept.sum()), "rejected": int((raw["valid"] & ~kept).sum()),
-                      "failed rewards": int((~raw["valid"]).sum())})
+        br = Counter(
+            {
+                "kept": int(kept.sum()),
+                "rejected": int((raw["valid"] & ~kept).sum()),
+                "failed rewards": int((~raw["valid"]).sum()),
+            }
+        )
         J = _aggregate(lp_all[raw["row_id"]], raw["loss_mask"].double(), kept.double(), m.norm, m.cfg.norm_constant)
         return Textbook(J, br, set(br))
 
     return Built(m, batch, None if tb is None else textbook)
 
 
-def build_demonstrations(cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int) -> Built:
+def build_demonstrations(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
     """SFT: fixed rows of several lengths; J is the log-likelihood under the method's aggregation."""
     m, rows = make(cls, settings), world.rows(range(N // 2))
 

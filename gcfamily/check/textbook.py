@@ -31,11 +31,22 @@ def _kl(name: str, log_rho: torch.Tensor, log_r: torch.Tensor) -> torch.Tensor:
     square / 2, k3 = rho - 1 - log rho, and k3 weighed by r = pi / pi_old."""
     rho = torch.exp(log_rho)
     k3 = rho - 1 - log_rho
-    return {"k1": -log_rho, "k2": log_rho * log_rho / 2, "k3": k3, "k3-importance-weighted": torch.exp(log_r) * k3}[name]
+    return {"k1": -log_rho, "k2": log_rho * log_rho / 2, "k3": k3, "k3-importance-weighted": torch.exp(log_r) * k3}[
+        name
+    ]
 
 
-def _clip_terms(tb: dict, s: Any, lp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, A: torch.Tensor,
-                mask: torch.Tensor, on: torch.Tensor, br: Counter) -> torch.Tensor:
+def _clip_terms(
+    tb: dict,
+    s: Any,
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    A: torch.Tensor,
+    mask: torch.Tensor,
+    on: torch.Tensor,
+    br: Counter,
+) -> torch.Tensor:
     """min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t per token [B, L] (PPO, eq. 7), r per token or per
     sequence (GSPO, eq. 5); counts which side of the clip each token (or row) is on."""
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
@@ -71,7 +82,9 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     req = set()
     if several:
-        req |= {"clipped low", "clipped high", "unclipped, r != 1"} | ({"in the band between eps and eps_high"} if lo != hi else set())
+        req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
+            {"in the band between eps and eps_high"} if lo != hi else set()
+        )
     if s.beta > 0 and s.kl_placement == "loss":
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:
@@ -79,7 +92,9 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
     return req
 
 
-def _group_advantages(R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_advantages(
+    R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N] and the rows of groups whose valid rewards are all equal. group: (R - mean) / (std + std_eps) over the
     group (DeepSeekMath 4.1.2; std of the whole step with scale_rewards=batch, none: R - mean), 0 for an equal
     group; leave-one-out: R - mean of the others (RLOO); running baseline: R - b (Williams 1992)."""
@@ -94,7 +109,7 @@ def _group_advantages(R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b:
         if tb["advantage"] == "running baseline":
             a = r - b
             scale = step_std + s.std_eps if s.scale_rewards == "batch" else 1.0
-            A[idx] = a / scale if scale > 0 else a
+            A[idx] = a / scale if not scale <= 0 else a  # a NaN scale divides: the textbook J is NaN and fails by name
             continue
         if equal[g * G]:
             continue
@@ -106,7 +121,7 @@ def _group_advantages(R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b:
             A[idx] = c
         else:
             scale = (float(r.std(unbiased=sample)) if s.scale_rewards == "group" else step_std) + s.std_eps
-            A[idx] = c / scale if scale > 0 else 0.0
+            A[idx] = c / scale if not scale <= 0 else 0.0
     return A, equal
 
 
@@ -117,10 +132,15 @@ class Textbook:
     required: set[str]
 
 
-def _groups_textbook(lp_all: torch.Tensor, raw: Batch, warm: torch.Tensor, stub: StubServices, m: Method, tb: dict) -> Textbook:
+def _groups_textbook(
+    lp_all: torch.Tensor, raw: Batch, warm: torch.Tensor, stub: StubServices, m: Method, tb: dict
+) -> Textbook:
     s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
     lp, R, valid = lp_all[ids], raw["rewards"].double(), raw["valid"].bool()
-    old, ref = stub.logprobs(stub.policy_model, raw).double(), stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    old, ref = (
+        stub.logprobs(stub.policy_model, raw).double(),
+        stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None,
+    )
     br = Counter({"failed rewards": int((~valid).sum())})
     b = float(warm.double().mean())
     in_reward = ref is not None and s.kl_placement == "reward"
@@ -150,7 +170,10 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
     whitened over the step's valid tokens, in the clipped surrogate."""
     s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
     lp, valid = lp_all[ids], raw["valid"].bool()
-    old, ref = stub.logprobs(stub.policy_model, raw).double(), stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    old, ref = (
+        stub.logprobs(stub.policy_model, raw).double(),
+        stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None,
+    )
     values = (StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask).tolist()
     rwd = torch.zeros(N, L, dtype=torch.float64)
     br = Counter({"failed rewards": int((~valid).sum())})
@@ -166,7 +189,12 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
     for i in range(N):
         next_v = next_a = 0.0  # the state after the last token is terminal
         for t in reversed(stub.world.positions(int(ids[i]))):
-            next_a = float(rwd[i, t]) + cfg.gamma * next_v - values[i][t] + cfg.gamma * cfg.lam * next_a
+            next_a = (
+                float(rwd[i, t])
+                + cfg.settings.gamma * next_v
+                - values[i][t]
+                + cfg.settings.gamma * cfg.settings.lam * next_a
+            )
             A[i, t], next_v = next_a, values[i][t]
     on = mask.bool() & valid[:, None]
     if type(m).whiten_advantages:
@@ -179,8 +207,9 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
     return Textbook(_aggregate(per, mask, valid.double(), m.norm, cfg.norm_constant), br, req)
 
 
-def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor, w: list[int],
-               l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_loss(
+    name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor, w: list[int], l: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss per pair [P] and its branch variable minus the loss's pivot (its sign is the branch):
     DPO -log sigmoid(beta d) (Rafailov et al. 2023), cDPO (Mitchell 2023), IPO (d - 1/(2 beta))^2 (Azar et al. 2023,
     eq. 17), SimPO -log sigmoid(beta (mean_w - mean_l) - gamma) (Meng et al. 2024), ORPO -mean_w - lambda log
@@ -206,12 +235,22 @@ def _pair_loss(name: str, s: Any, lp: torch.Tensor, ref: torch.Tensor | None, ma
 
 
 # the margin m = beta * d where each loss turns: DPO's sign, IPO's target 1/2, where cDPO's GC changes sign
-PIVOT = {"dpo": lambda s: 0.0, "ipo": lambda s: 0.5,
-         "cdpo": lambda s: math.log((1 - s.label_smoothing) / s.label_smoothing) if s.label_smoothing > 0 else 0.0}
+PIVOT = {
+    "dpo": lambda s: 0.0,
+    "ipo": lambda s: 0.5,
+    "cdpo": lambda s: math.log((1 - s.label_smoothing) / s.label_smoothing) if s.label_smoothing > 0 else 0.0,
+}
 
 
-def _pairs_textbook(lp_all: torch.Tensor, pairs: list[tuple[int, int]], ref_all: torch.Tensor | None, world: World, m: Method,
-                    tb: dict, br: Counter) -> Textbook:
+def _pairs_textbook(
+    lp_all: torch.Tensor,
+    pairs: list[tuple[int, int]],
+    ref_all: torch.Tensor | None,
+    world: World,
+    m: Method,
+    tb: dict,
+    br: Counter,
+) -> Textbook:
     w, l = [p[0] for p in pairs], [p[1] for p in pairs]
     loss, u = _pair_loss(tb["loss"], m.settings, lp_all, ref_all, world.loss_mask.double(), w, l)
     br["pairs above the loss's pivot"] += int((u.detach() > 0).sum())

@@ -61,7 +61,12 @@ class World:
 
     def rows(self, ids: Any) -> Batch:
         ids = torch.as_tensor(list(ids))
-        return {"input_ids": self.tokens[ids], "attention_mask": self.attention_mask[ids], "loss_mask": self.loss_mask[ids], "row_id": ids}
+        return {
+            "input_ids": self.tokens[ids],
+            "attention_mask": self.attention_mask[ids],
+            "loss_mask": self.loss_mask[ids],
+            "row_id": ids,
+        }
 
     def positions(self, i: int) -> list[int]:
         return self.loss_mask[i].nonzero().flatten().tolist()
@@ -104,6 +109,9 @@ class StubServices(LocalServices):
 
     def policy(self) -> nn.Module:
         return self.policy_model
+
+    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Any) -> Any:
+        raise NotImplementedError("the checker's rollouts are rows of its World (check/builders.py), never sampled")
 
     def reference(self) -> nn.Module:
         return self.ref

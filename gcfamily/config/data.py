@@ -8,15 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gcfamily.config.rules import setting, whole
+
 
 @dataclass(init=False)
 class DataSettings:
     """Datasets, columns and chat formatting, shared by every method."""
 
-    task_seed: Optional[int] = None
+    task_seed: Optional[int] = setting(None, whole(0, 2**63 - 1), "in [0, 2**63) or none")
     """Seed of the task's problems and train/test split; None takes the run's seed. `gcf bench --seeds N` fixes it at 0 so that every
     method and seed is evaluated on the same held-out prompts."""
-    validation_rows: int = 0
+    validation_rows: int = setting(0, whole(0), ">= 0 (0 = evaluate on the test split)")
     """Rows at the end of the task's train split kept out of training as a validation set; with it, the run's evaluations score
     them (eval/val_accuracy) instead of the test split, which the run then never reads (`gcf bench --sweep` chooses on them)."""
     dataset: Optional[str] = None

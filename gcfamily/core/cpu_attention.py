@@ -48,12 +48,20 @@ KEY = "gcfamily_cpu"
 # Q = 1: 2.9 / 1.3 ms, 8: 9.2 / 3.3, 28: 18.9 / 11.6, 64: 60 / 34, 128: 168 / 176, 256: 420 / 722 (it holds all the scores)
 MAX_QUERIES = 64
 # keyword arguments that do not change what SDPA computes from the mask (the mask already holds a sliding window)
-_HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions", "layer_idx", "is_causal"})
+_HARMLESS = frozenset(
+    {"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions", "layer_idx", "is_causal"}
+)
 
 
 def _mask_ok(mask: Any, B: int, H: int, Q: int, S: int) -> bool:
-    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[0] in (1, B)
-            and mask.shape[1] in (1, H) and tuple(mask.shape[2:]) == (Q, S))
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.ndim == 4
+        and mask.shape[0] in (1, B)
+        and mask.shape[1] in (1, H)
+        and tuple(mask.shape[2:]) == (Q, S)
+    )
 
 
 def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kwargs: dict[str, Any]) -> bool:
@@ -64,18 +72,30 @@ def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kw
         and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         and not dropout
         and Q <= MAX_QUERIES
-        and (_mask_ok(mask, B, H, Q, key.shape[2]) or (mask is None and Q == 1))  # no mask, one query: every key (SDPA's is_causal is off)
+        and (
+            _mask_ok(mask, B, H, Q, key.shape[2]) or (mask is None and Q == 1)
+        )  # no mask, one query: every key (SDPA's is_causal is off)
         and key.shape[0] == B  # SDPA broadcasts a batch-1 query (learned queries); this path does not
         and H % key.shape[1] == 0
         and all(k in _HARMLESS or v is None or v is False for k, v in kwargs.items())
     )
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-              dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, H, Q, D], key [B, Hk, S, D], value [B, Hk, S, Dv] -> [B, Q, H, Dv]."""
     if not _plain(query, key, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     B, H, Q, D = query.shape
     Hk, S = key.shape[1], key.shape[2]
     g = H // Hk
@@ -112,7 +132,9 @@ def rollout_attention(model: torch.nn.Module) -> Iterator[bool]:
     """
     checked = getattr(model.config, "model_type", None) in PACKED_FAMILIES
     on = ENABLED and checked and not torch.is_grad_enabled() and model.device.type == "cpu"
-    switched = [c for c in _configs(model.config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"] if on else []
+    switched = (
+        [c for c in _configs(model.config) if getattr(c, "_attn_implementation_internal", None) == "sdpa"] if on else []
+    )
     try:
         for c in switched:
             c._attn_implementation_internal = KEY

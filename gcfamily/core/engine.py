@@ -72,7 +72,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 entropy[s : s + chunk_size] = lse - (torch.exp(logits - lse[:, None]) * logits).sum(-1)
             lse_all[s : s + chunk_size] = lse
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
-        ctx.temperature, ctx.chunk_size, ctx.has_bias, ctx.compute, ctx.softcap = temperature, chunk_size, bias is not None, compute, softcap
+        ctx.temperature, ctx.chunk_size, ctx.has_bias, ctx.compute, ctx.softcap = (
+            temperature,
+            chunk_size,
+            bias is not None,
+            compute,
+            softcap,
+        )
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -81,10 +87,16 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau, c = ctx.temperature, ctx.chunk_size
-        h_c, w_c, b_c = _cast(ctx.compute, hidden, weight, bias)  # recast, rather than hold a [V, H] copy from forward to backward
+        h_c, w_c, b_c = _cast(
+            ctx.compute, hidden, weight, bias
+        )  # recast, rather than hold a [V, H] copy from forward to backward
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = None  # the first chunk's product starts it: no [V, H] zero fill
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
         for s in range(0, hidden.shape[0], c):
             h = h_c[s : s + c]
             logits, dcap = _chunk_logits(h, w_c, b_c, tau, ctx.softcap)  # [c, V]
@@ -112,8 +124,9 @@ def _cast(compute: torch.dtype | None, hidden: torch.Tensor, weight: torch.Tenso
     return hidden.to(compute), weight.to(compute), bias.to(compute) if bias is not None else None
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float,
-                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tau: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunk's float32 logits / tau, and with a soft-cap the derivative of the cap (else None)."""
     if h.dtype == weight.dtype == torch.float32:
         logits = onednn.linear(h, weight, bias)  # [c, V]; oneDNN on CPU
@@ -133,7 +146,9 @@ def model_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     try:
         return model.get_decoder(), model.get_output_embeddings()
     except (AttributeError, NotImplementedError) as e:  # a model without the HF split
-        raise GcfError(f"The model {type(model).__name__} has no get_decoder()/get_output_embeddings(); gcfamily needs a causal LM with both.") from e
+        raise GcfError(
+            f"The model {type(model).__name__} has no get_decoder()/get_output_embeddings(); gcfamily needs a causal LM with both."
+        ) from e
 
 
 @dataclass
@@ -166,10 +181,14 @@ def token_logprobs(
     """
     if isinstance(getattr(model, "module", model), LogprobModel):
         return TokenLogprobs(*model(input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host))
-    return TokenLogprobs(*_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host))
+    return TokenLogprobs(
+        *_token_logprobs(model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host)
+    )
 
 
-def host_copies(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def host_copies(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three tensors on the CPU (the same objects there already)."""
     return input_ids.cpu(), attention_mask.cpu(), loss_mask.cpu()
 
@@ -186,19 +205,36 @@ class LogprobModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                temperature: float = 1.0, chunk_size: int = 256, share_prefix: bool = True,
-                host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 256,
+        share_prefix: bool = True,
+        host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         host = host if host is not None else host_copies(input_ids, attention_mask, loss_mask)
-        logps, entropy = _token_logprobs(self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host)
-        if not bool(host[2][:, 1:].any()):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
+        logps, entropy = _token_logprobs(
+            self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host
+        )
+        if not bool(
+            host[2][:, 1:].any()
+        ):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
             logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
         return logps, entropy
 
 
 def _token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float, chunk_size: int,
-    share_prefix: bool = True, host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    share_prefix: bool = True,
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L = input_ids.shape
     device = input_ids.device
@@ -221,10 +257,22 @@ def _token_logprobs(
     dev = h.device.type  # under autocast the output layer's products take its dtype too
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)  # Gemma 2
-    lp, ent = _ChunkedTokenLogprob.apply(h, head.weight, head.bias, targets, float(temperature), int(chunk_size), torch.is_grad_enabled(), compute, softcap)
+    lp, ent = _ChunkedTokenLogprob.apply(
+        h,
+        head.weight,
+        head.bias,
+        targets,
+        float(temperature),
+        int(chunk_size),
+        torch.is_grad_enabled(),
+        compute,
+        softcap,
+    )
     full = torch.zeros(B * (L - 1), dtype=torch.float32, device=device).index_copy(0, at, lp).view(B, L - 1)
     logps = torch.cat([torch.zeros_like(full[:, :1]), full], dim=1)
-    entropy[:, 1:] = torch.zeros(B * (L - 1), dtype=torch.float32, device=device).index_copy(0, at, ent.float()).view(B, L - 1)
+    entropy[:, 1:] = (
+        torch.zeros(B * (L - 1), dtype=torch.float32, device=device).index_copy(0, at, ent.float()).view(B, L - 1)
+    )
     return logps, entropy
 
 
@@ -290,7 +338,9 @@ def weighted_loss(coef: torch.Tensor, logps: torch.Tensor, batch: dict, mode: st
 # optimizer and schedule
 
 
-def build_optimizer(params: Iterable[nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
+) -> torch.optim.Optimizer:
     """AdamW; no decay on biases and norms (1-d tensors), as is standard for transformers."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -298,7 +348,9 @@ def build_optimizer(params: Iterable[nn.Parameter], lr: float, weight_decay: flo
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel makes one pass over each tensor (about 7x faster than foreach on a CPU);
     # sharded (DTensor) parameters, and devices without the kernel, take the foreach path.
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() and not hasattr(p, "placements") for p in params)
+    fused = all(
+        p.device.type in ("cpu", "cuda") and p.is_floating_point() and not hasattr(p, "placements") for p in params
+    )
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **({"fused": True} if fused else {"foreach": True}))
 
 
@@ -329,9 +381,14 @@ def grads_finite(params: Iterable[nn.Parameter]) -> bool:
     return bool(torch.isfinite(torch.stack(norms)).all())
 
 
-def second_model_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], divisor: float, grad_clip: float,
-                      all_finite: Callable[[list], bool] = grads_finite,
-                      clip_norm: Callable[[list, float], torch.Tensor] = torch.nn.utils.clip_grad_norm_) -> tuple[str, float]:
+def second_model_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    divisor: float,
+    grad_clip: float,
+    all_finite: Callable[[list], bool] = grads_finite,
+    clip_norm: Callable[[list, float], torch.Tensor] = torch.nn.utils.clip_grad_norm_,
+) -> tuple[str, float]:
     """The optimizer step of a model a method trains beside the policy (PPO's critic, the reward model), written once.
 
     Its loss was summed over the step's micro-batches; the gradients are divided by `divisor` (the step's tokens or
@@ -355,13 +412,22 @@ def second_model_step(optimizer: torch.optim.Optimizer, params: list[nn.Paramete
 
 
 @torch.no_grad()
-def batch_logprobs(model: nn.Module, batch: dict, temperature: float, micro_batch_size: int, chunk_size: int,
-                   share_prefix: bool, device: torch.device) -> torch.Tensor:
+def batch_logprobs(
+    model: nn.Module,
+    batch: dict,
+    temperature: float,
+    micro_batch_size: int,
+    chunk_size: int,
+    share_prefix: bool,
+    device: torch.device,
+) -> torch.Tensor:
     """Log-probs [B, L] (float32, on the CPU) of a whole batch without grad, micro-batched (pi_old, pi_ref)."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
     for s in range(0, out.shape[0], micro_batch_size):
         mb = {k: batch[k][s : s + micro_batch_size].to(device) for k in ("input_ids", "attention_mask", "loss_mask")}
         with torch.inference_mode():
-            lp = token_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, chunk_size, share_prefix)
+            lp = token_logprobs(
+                model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, chunk_size, share_prefix
+            )
         out[s : s + micro_batch_size] = lp.logps.float().cpu()
     return out

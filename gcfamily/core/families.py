@@ -20,10 +20,22 @@ from gcfamily.errors import GcfError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
-PACKED_FAMILIES = frozenset({
-    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
-    "gpt2",
-})
+PACKED_FAMILIES = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "mistral",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "smollm3",
+        "gpt2",
+    }
+)
 """Model types whose packed log-probs and greedy rollouts tests/test_families.py checks against the model's own forward
 and `generate` at lengths past their windows (the rollout's CPU attention, `cpu_attention`, is switched on for these only);
 any other family, or a layer type other than these two (Llama 4's chunked attention, linear
@@ -55,11 +67,15 @@ def attention(config: Any) -> Attention:
     for field, neutral in _HEAD_TRANSFORMS.items():
         value = getattr(config, field, neutral)
         if value != neutral and value is not None:
-            raise GcfError(f"The {family} model sets {field}={value}, which changes its logits after the output layer "
-                           f"and which gcfamily's log-probs do not apply, so they cannot be exact; use a model without it.")
+            raise GcfError(
+                f"The {family} model sets {field}={value}, which changes its logits after the output layer "
+                f"and which gcfamily's log-probs do not apply, so they cannot be exact; use a model without it."
+            )
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
-        raise GcfError(f"The {family} model attends bidirectionally, so it is not a causal LM and its token log-probs "
-                       f"are not defined; use a causal model.")
+        raise GcfError(
+            f"The {family} model attends bidirectionally, so it is not a causal LM and its token log-probs "
+            f"are not defined; use a causal model."
+        )
     n = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -77,13 +93,17 @@ def prepare(model: Any) -> None:
     config = model.config.get_text_config(decoder=True)
     attention(config)
     if model.get_decoder() is model:
-        raise GcfError(f"The {type(model).__name__} model has no separate decoder (its get_decoder() returns the whole "
-                       f"model), which gcfamily's log-prob path needs; use a causal LM whose get_decoder() returns its backbone.")
+        raise GcfError(
+            f"The {type(model).__name__} model has no separate decoder (its get_decoder() returns the whole "
+            f"model), which gcfamily's log-prob path needs; use a causal LM whose get_decoder() returns its backbone."
+        )
     if getattr(config, "attn_logit_softcapping", None) is not None and config._attn_implementation != "eager":
         model.set_attn_implementation("eager")
 
 
-def layer_masks(att: Attention, allowed: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+def layer_masks(
+    att: Attention, allowed: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """The packed mask of each layer type, from the block-causal `allowed` [R, 1, T, T] and original positions [R, T].
 
     A sliding layer also drops keys `window` or more positions back, as the model's own mask does

@@ -14,6 +14,7 @@ from torch import nn
 
 def module_mb(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[float, float]:
     """(parameters, optimizer state) of a model in MB, this process's shards where it is sharded."""
+
     def nbytes(t: torch.Tensor) -> int:  # this process's share of a sharded tensor
         local = t.to_local() if hasattr(t, "to_local") else t
         return local.numel() * local.element_size()

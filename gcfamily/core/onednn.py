@@ -41,7 +41,11 @@ def packing(on: bool) -> Iterator[None]:
 def available() -> bool:
     """This torch build has oneDNN and the packed-linear ops."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -96,7 +100,9 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     weights must not change inside the block: the packed copies would go stale.
     """
     # under autocast the layers compute in its dtype: packed float32 kernels would compute another function
-    on = ENABLED and _PACK.get() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and available()
+    on = (
+        ENABLED and _PACK.get() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and available()
+    )
     mods = [m for m in model.modules() if _eligible(m)] if on else []
     packed: dict[tuple, torch.Tensor] = {}  # by weight memory and shape: a tied head and embedding pack once
     try:

@@ -28,7 +28,9 @@ PACK_LENGTH = 512
 row costs its length squared, so a micro-batch is not packed into one very long row."""
 
 
-def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+def shared_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """(S, first, inverse) when rows repeat their first S columns, else None.
 
     Rows are compared on their real tokens (padding ignored); `first` [U] picks one row per
@@ -75,8 +77,13 @@ class Packing:
     S: int  # original columns before S are not needed (they are only a shared prefix)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, share_prefix: bool = True,
-              device: torch.device | None = None) -> Packing | None:
+def pack_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    share_prefix: bool = True,
+    device: torch.device | None = None,
+) -> Packing | None:
     """Pack a micro-batch: a prefix that rows share (`shared_prefix`) once per packed row, then each
     row's own tokens end to end, first fit into rows of up to PACK_LENGTH tokens (a group's rows
     only with that group's prefix). None when there is nothing to share and no two rows fit in one.
@@ -115,8 +122,12 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
             k = next((k for k in mine if room[k] >= n), None)
             if k is None:
                 k = len(groups)
-                groups.append([]); heads.append(head); room.append(cap - S); mine.append(k)
-            groups[k].append(b); room[k] -= n
+                groups.append([])
+                heads.append(head)
+                room.append(cap - S)
+                mine.append(k)
+            groups[k].append(b)
+            room[k] -= n
         _balance(order, mine, groups, room, [hi[b] - lo[b] for b in range(B)])
     if split is None and (len(groups) == B or all(h - l == L for h, l in zip(hi, lo))):
         return None  # nothing to share, and no padding to drop: the plain pass is as cheap
@@ -134,7 +145,11 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: 
             at = S
         for b in g:
             n = hi[b] - lo[b]
-            ids[r, at : at + n], ppos[r, at : at + n], preal[r, at : at + n] = input_ids[b, lo[b] : hi[b]], pos[b, lo[b] : hi[b]], real[b, lo[b] : hi[b]]
+            ids[r, at : at + n], ppos[r, at : at + n], preal[r, at : at + n] = (
+                input_ids[b, lo[b] : hi[b]],
+                pos[b, lo[b] : hi[b]],
+                real[b, lo[b] : hi[b]],
+            )
             seg[r, at : at + n] = b
             source[b, lo[b] - S : hi[b] - S] = r * T + at + torch.arange(n, device=dev)
             at += n
@@ -159,7 +174,8 @@ def _balance(order: list[int], mine: list[int], groups: list[list[int]], room: l
     left = dict(free)
     for b in order:
         k = max(mine, key=lambda k: (left[k], -k))  # the most room; ties to the first
-        new[k].append(b); left[k] -= size[b]
+        new[k].append(b)
+        left[k] -= size[b]
     if min(left.values()) > min(room[k] for k in mine):
         for k in mine:
             groups[k], room[k] = sorted(new[k]), left[k]
@@ -169,8 +185,14 @@ PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a custom [R, 1, T, T] mask; others run the plain padded pass."""
 
 
-def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                     share_prefix: bool, host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+def backbone_hidden(
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    share_prefix: bool,
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, int]:
     """Hidden states [B, L - S, H] of the original columns S.. (S > 0 only past a shared prefix).
 
     Packed (`pack_rows`), the backbone runs once over every real token of the micro-batch and over
@@ -185,12 +207,21 @@ def backbone_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask
     impl = getattr(config, "_attn_implementation", None)
     att = families.attention(config) if config is not None else None  # refuses a model no pass makes exact
     packable = impl in PACKED_ATTENTION and att is not None and att.packable
-    src = host if host is not None else (input_ids, attention_mask, loss_mask)  # CPU copies: the layout reads nothing back
+    src = (
+        host if host is not None else (input_ids, attention_mask, loss_mask)
+    )  # CPU copies: the layout reads nothing back
     packing = pack_rows(*src, share_prefix, device=input_ids.device) if packable else None
     if packing is None:
-        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        out = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
         return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0
-    mask = families.layer_masks(att, packing.allowed, packing.position_ids)  # one [R, 1, T, T] or {layer type: [R, 1, T, T]}
+    mask = families.layer_masks(
+        att, packing.allowed, packing.position_ids
+    )  # one [R, 1, T, T] or {layer type: [R, 1, T, T]}
     if impl == "eager":  # additive float masks
         dtype = next(backbone.parameters()).dtype
         mask = {k: _additive(m, dtype) for k, m in mask.items()} if isinstance(mask, dict) else _additive(mask, dtype)

@@ -76,9 +76,13 @@ def resolve(dtype: str, master_dtype: str, device: torch.device, training: bool 
     master = DTYPES[master_dtype]
     compute = master if dtype == "auto" and master_dtype == "bfloat16" else compute_dtype(dtype, device)
     if master == torch.bfloat16 and compute != torch.bfloat16:
-        raise GcfError(f"master_dtype=bfloat16 trains in pure bfloat16, so it computes in bfloat16 too: set dtype=bfloat16 (or auto), not {dtype}.")
+        raise GcfError(
+            f"master_dtype=bfloat16 trains in pure bfloat16, so it computes in bfloat16 too: set dtype=bfloat16 (or auto), not {dtype}."
+        )
     if training and compute == torch.float16:
-        raise GcfError("dtype=float16 needs loss scaling, which gcfamily does not do: train with dtype=bfloat16 (GPUs since Ampere) or float32.")
+        raise GcfError(
+            "dtype=float16 needs loss scaling, which gcfamily does not do: train with dtype=bfloat16 (GPUs since Ampere) or float32."
+        )
     return Precision(compute, master, device.type)
 
 
@@ -87,8 +91,10 @@ def check_master(params: Iterable[torch.nn.Parameter], precision: Precision, wha
     found = {p.dtype for p in params if p.requires_grad}
     if found - {precision.master}:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in found))
-        raise GcfError(f"{what} holds trainable parameters in {names} but master_dtype is {str(precision.master).removeprefix('torch.')}; "
-                       "load it in float32 (or pass master_dtype=bfloat16 to train in pure bfloat16 on purpose).")
+        raise GcfError(
+            f"{what} holds trainable parameters in {names} but master_dtype is {str(precision.master).removeprefix('torch.')}; "
+            "load it in float32 (or pass master_dtype=bfloat16 to train in pure bfloat16 on purpose)."
+        )
 
 
 def saved_state(state: dict[str, torch.Tensor], save_dtype: str) -> dict[str, torch.Tensor]:

@@ -84,10 +84,7 @@ def _betacf(a: float, b: float, x: float) -> float:
 def _stirling_delta(x: float) -> float:
     """lgamma(x) - ((x - 1/2) ln x - x + ln sqrt(2 pi)) for x >= 10 (Stirling series)."""
     x2 = 1.0 / (x * x)
-    return (
-        1 / 12
-        - x2 * (1 / 360 - x2 * (1 / 1260 - x2 * (1 / 1680 - x2 * (1 / 1188 - x2 * 691 / 360360))))
-    ) / x
+    return (1 / 12 - x2 * (1 / 360 - x2 * (1 / 1260 - x2 * (1 / 1680 - x2 * (1 / 1188 - x2 * 691 / 360360))))) / x
 
 
 def _lbeta(a: float, b: float) -> float:
@@ -239,14 +236,11 @@ def paired_bootstrap(
     xa, xb = _clean(a, "paired_bootstrap's a"), _clean(b, "paired_bootstrap's b")
     if len(xa) != len(xb):
         raise ValueError(
-            "paired_bootstrap needs a and b scored on the same items, "
-            f"got {len(xa)} and {len(xb)} scores."
+            f"paired_bootstrap needs a and b scored on the same items, got {len(xa)} and {len(xb)} scores."
         )
     n = len(xa)
     if n == 0:
-        raise ValueError(
-            "paired_bootstrap got no items; score both methods on at least one prompt."
-        )
+        raise ValueError("paired_bootstrap got no items; score both methods on at least one prompt.")
     d = xa - xb  # [n] per-item difference
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)  # [n_boot] resampled mean differences
@@ -295,9 +289,13 @@ def seeds_bootstrap(
     xa = np.stack([_clean(r, "seeds_bootstrap's a") for r in a]) if len(a) else np.empty((0, 0))  # [Sa, P]
     xb = np.stack([_clean(r, "seeds_bootstrap's b") for r in b]) if len(b) else np.empty((0, 0))  # [Sb, P]
     if not xa.size or not xb.size:
-        raise ValueError("seeds_bootstrap got no scores; give each method at least one seed scored on at least one prompt.")
+        raise ValueError(
+            "seeds_bootstrap got no scores; give each method at least one seed scored on at least one prompt."
+        )
     if xa.shape[1] != xb.shape[1]:
-        raise ValueError(f"seeds_bootstrap needs both methods scored on the same prompts, got {xa.shape[1]} and {xb.shape[1]} per seed.")
+        raise ValueError(
+            f"seeds_bootstrap needs both methods scored on the same prompts, got {xa.shape[1]} and {xb.shape[1]} per seed."
+        )
     (sa, n), sb = xa.shape, xb.shape[0]
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)  # [n_boot] resampled mean differences

@@ -1,2 +1,1 @@
-"""Rows in, ids and batches out: sources (files, folders, the hub), TRL's formats, preference pairs, batches.
-"""
+"""Rows in, ids and batches out: sources (files, folders, the hub), TRL's formats, preference pairs, batches."""

@@ -66,7 +66,11 @@ def select(batch: dict[str, Any], idx: slice | torch.Tensor | list[int]) -> dict
         if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == B:
             out[k] = v[idx]
         elif isinstance(v, list) and len(v) == B:
-            out[k] = v[idx] if isinstance(idx, slice) else [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
+            out[k] = (
+                v[idx]
+                if isinstance(idx, slice)
+                else [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
+            )
         else:
             out[k] = v
     return out
@@ -82,7 +86,10 @@ def trim(batch: dict[str, Any]) -> dict[str, Any]:
     lo, hi = int(cols[0]), int(cols[-1]) + 1
     if lo == 0 and hi == L:
         return batch
-    return {k: (v[:, lo:hi] if isinstance(v, torch.Tensor) and v.ndim == 2 and v.shape[1] == L else v) for k, v in batch.items()}
+    return {
+        k: (v[:, lo:hi] if isinstance(v, torch.Tensor) and v.ndim == 2 and v.shape[1] == L else v)
+        for k, v in batch.items()
+    }
 
 
 def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:

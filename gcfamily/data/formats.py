@@ -79,8 +79,10 @@ def detect(row: dict[str, Any]) -> str:
         return "prompt-only"
     if "messages" in keys or "text" in keys:
         return "language-modeling"
-    raise GcfError(f"The rows have columns {', '.join(sorted(keys))}, which are none of TRL's formats "
-                   f"({'; '.join(FORMATS.values())}); map yours with --set columns='{{prompt: question}}'.")
+    raise GcfError(
+        f"The rows have columns {', '.join(sorted(keys))}, which are none of TRL's formats "
+        f"({'; '.join(FORMATS.values())}); map yours with --set columns='{{prompt: question}}'."
+    )
 
 
 def is_conversational(row: dict[str, Any]) -> bool:
@@ -96,8 +98,14 @@ def check_format(fmt: str, kind: str, method: str) -> None:
 
 
 def _messages(v: Any, col: str, i: int) -> Messages:
-    if not (isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)):
-        raise GcfError(f"Row {i}: '{col}' must be a string or a non-empty list of {{role, content}} messages with text content.")
+    if not (
+        isinstance(v, list)
+        and v
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+    ):
+        raise GcfError(
+            f"Row {i}: '{col}' must be a string or a non-empty list of {{role, content}} messages with text content."
+        )
     return [{"role": m["role"], "content": m["content"]} for m in v]
 
 
@@ -109,7 +117,9 @@ def _text(v: Any, col: str, i: int, messages_ok: bool = True) -> Text:
         v = str(v)
     if not isinstance(v, str) or not v.strip():
         # a file-backed dataset fills a column absent from one row with None, so both read alike
-        raise GcfError(f"Row {i} has a missing or empty '{col}'; it needs a non-empty {'text or message list' if messages_ok else 'text'}.")
+        raise GcfError(
+            f"Row {i} has a missing or empty '{col}'; it needs a non-empty {'text or message list' if messages_ok else 'text'}."
+        )
     return v
 
 
@@ -127,7 +137,9 @@ def implicit_prompt(chosen: Text, rejected: Text, i: int) -> tuple[Text, Text, T
         while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
             k += 1
         if k == 0:
-            raise GcfError(f"Row {i}: chosen and rejected share no first messages, so no prompt can be taken from them; add a 'prompt' column.")
+            raise GcfError(
+                f"Row {i}: chosen and rejected share no first messages, so no prompt can be taken from them; add a 'prompt' column."
+            )
         return chosen[:k], chosen[k:], rejected[k:]
     k = 0
     while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
@@ -135,7 +147,9 @@ def implicit_prompt(chosen: Text, rejected: Text, i: int) -> tuple[Text, Text, T
     if 0 < k and chosen[k - 1] == " ":
         k -= 1  # the space starts the completion, as in TRL
     if k == 0 or k == len(chosen) or k == len(rejected):
-        raise GcfError(f"Row {i}: chosen and rejected do not start with a shared prompt followed by different completions; add a 'prompt' column.")
+        raise GcfError(
+            f"Row {i}: chosen and rejected do not start with a shared prompt followed by different completions; add a 'prompt' column."
+        )
     return chosen[:k], chosen[k:], rejected[k:]
 
 
@@ -181,10 +195,16 @@ def as_kind(rows: Sequence[dict[str, Any]], kind: str, method: str) -> tuple[str
     out = []
     for i, row in enumerate(rows):
         if detect(row) != fmt:
-            raise GcfError(f"Row {i} is {FORMATS[detect(row)]}, unlike row 0 ({FORMATS[fmt]}); use one format per dataset.")
+            raise GcfError(
+                f"Row {i} is {FORMATS[detect(row)]}, unlike row 0 ({FORMATS[fmt]}); use one format per dataset."
+            )
         out.append(normalize(row, fmt, i))
     if kind == "labelled" and fmt == "preference":
-        out = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"} for r in out for k in ("chosen", "rejected")]
+        out = [
+            {"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+            for r in out
+            for k in ("chosen", "rejected")
+        ]
     return fmt, out
 
 
@@ -193,15 +213,25 @@ def as_kind(rows: Sequence[dict[str, Any]], kind: str, method: str) -> tuple[str
 
 def _template_error(e: Exception, given: bool) -> GcfError:
     why = str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    fix = "fix the chat_template setting" if given else "fix the row's messages, or pass a chat_template that renders them"
+    fix = (
+        "fix the chat_template setting"
+        if given
+        else "fix the row's messages, or pass a chat_template that renders them"
+    )
     return GcfError(f"The chat template failed to render a conversation ({why}); {fix}.")
 
 
 class Formatter:
     """Token ids of prompts, completions and conversations under the run's chat_format (module docstring)."""
 
-    def __init__(self, tokenizer: Any, chat_format: str = "auto", system_prompt: Optional[str] = None,
-                 assistant_only_loss: bool = True, chat_template: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_format: str = "auto",
+        system_prompt: Optional[str] = None,
+        assistant_only_loss: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> None:
         if chat_format not in CHAT_FORMATS:
             raise GcfError(f"chat_format must be auto, chat or raw (got {chat_format!r}).")
         self.tokenizer = tokenizer
@@ -211,7 +241,11 @@ class Formatter:
         self.template_given = bool(chat_template)
         if chat_template:
             path = Path(chat_template).expanduser()
-            text = path.read_text() if len(chat_template) < 4096 and "{" not in chat_template and path.is_file() else chat_template
+            text = (
+                path.read_text()
+                if len(chat_template) < 4096 and "{" not in chat_template and path.is_file()
+                else chat_template
+            )
             if "{" not in text:
                 raise GcfError(f"chat_template {chat_template!r} is neither an existing file nor a Jinja template.")
             tokenizer.chat_template = text
@@ -224,11 +258,15 @@ class Formatter:
     def uses_chat(self, conversational: bool) -> bool:
         """Whether rows of this form go through the chat template."""
         if conversational and self.chat_format == "raw":
-            raise GcfError("chat_format=raw takes string rows, but this dataset is conversational (message lists); use chat_format=auto or chat.")
+            raise GcfError(
+                "chat_format=raw takes string rows, but this dataset is conversational (message lists); use chat_format=auto or chat."
+            )
         chat = conversational or self.chat_format == "chat" or (self.chat_format == "auto" and self.has_template)
         if chat and not self.has_template:
-            raise GcfError("The model's tokenizer has no chat template, so conversational rows (or chat_format=chat) cannot be rendered; "
-                           "pass chat_template (a Jinja string or file), or use string rows with chat_format=raw.")
+            raise GcfError(
+                "The model's tokenizer has no chat template, so conversational rows (or chat_format=chat) cannot be rendered; "
+                "pass chat_template (a Jinja string or file), or use string rows with chat_format=raw."
+            )
         return chat
 
     def mode(self, conversational: bool) -> str:
@@ -274,9 +312,11 @@ class Formatter:
         c_msgs = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
         p, full = self._render(p_msgs, True), self._render(p_msgs + c_msgs, False)
         if full[: len(p)] != p or len(full) == len(p):
-            raise GcfError(f"Row {i}: the chat template does not render the prompt as the start of the whole conversation, so the "
-                           "completion's tokens cannot be told apart exactly; use chat_format=raw or a chat_template that keeps earlier turns.")
-        return self._end_at_eos(full[len(p):])
+            raise GcfError(
+                f"Row {i}: the chat template does not render the prompt as the start of the whole conversation, so the "
+                "completion's tokens cannot be told apart exactly; use chat_format=raw or a chat_template that keeps earlier turns."
+            )
+        return self._end_at_eos(full[len(p) :])
 
     def pair(self, prompt: Text, completion: Text, i: int = 0) -> tuple[list[int], list[int]]:
         return self.prompt_ids(prompt), self.completion_ids(prompt, completion, i)
@@ -306,13 +346,17 @@ class Formatter:
             before = self._render(msgs[:k], True) if k else []
             upto = self._render(msgs[: k + 1], False)
             if upto[: len(before)] != before or full[: len(upto)] != upto:
-                raise GcfError(f"Row {i}: the chat template renders earlier turns differently once later ones follow, so assistant turn {k} "
-                               "cannot be located exactly; set assistant_only_loss=false or pass a chat_template that keeps earlier turns.")
-            span = self._end_at_eos(upto[len(before):]) if self.eos in upto[len(before):] else upto[len(before):]
+                raise GcfError(
+                    f"Row {i}: the chat template renders earlier turns differently once later ones follow, so assistant turn {k} "
+                    "cannot be located exactly; set assistant_only_loss=false or pass a chat_template that keeps earlier turns."
+                )
+            span = self._end_at_eos(upto[len(before) :]) if self.eos in upto[len(before) :] else upto[len(before) :]
             for j in range(len(before), len(before) + len(span)):
                 mask[j] = 1
         if not any(mask[1:]):
-            raise GcfError(f"Row {i}: the conversation has no assistant message to train on (assistant_only_loss=true).")
+            raise GcfError(
+                f"Row {i}: the conversation has no assistant message to train on (assistant_only_loss=true)."
+            )
         return full, mask
 
 
@@ -336,14 +380,23 @@ class Encoded:
         return sum(self.skipped.values())
 
 
-def encode(kind: str, rows: Sequence[dict[str, Any]], fmt: Formatter, max_length: int, long_prompts: str = "skip", method: str = "this method") -> Encoded:
+def encode(
+    kind: str,
+    rows: Sequence[dict[str, Any]],
+    fmt: Formatter,
+    max_length: int,
+    long_prompts: str = "skip",
+    method: str = "this method",
+) -> Encoded:
     """Check, convert and tokenise rows for a kind of data (module docstring); long prompts skipped and counted, or refused.
 
     Examples: demonstrations (ids, mask); prompts: prompt ids; pairs: (prompt, chosen, rejected) ids; labelled: (prompt, completion) ids.
     """
     form, checked = as_kind(rows, kind, method)
     conv = is_conversational(checked[0])
-    out = Encoded(kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv))  # text rows are tokenised as written
+    out = Encoded(
+        kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv)
+    )  # text rows are tokenised as written
     for i, row in enumerate(checked):
         if kind == "demonstrations":
             ids, mask = fmt.demonstration(row, i)
@@ -363,18 +416,28 @@ def encode(kind: str, rows: Sequence[dict[str, Any]], fmt: Formatter, max_length
             if kind == "prompts":
                 out.examples.append(p)
             elif kind == "pairs":
-                out.examples.append((p, fmt.completion_ids(row["prompt"], row["chosen"], i)[:room], fmt.completion_ids(row["prompt"], row["rejected"], i)[:room]))
+                out.examples.append(
+                    (
+                        p,
+                        fmt.completion_ids(row["prompt"], row["chosen"], i)[:room],
+                        fmt.completion_ids(row["prompt"], row["rejected"], i)[:room],
+                    )
+                )
             else:
                 out.examples.append((p, fmt.completion_ids(row["prompt"], row["completion"], i)[:room]))
         out.rows.append(row)
     if not out.examples:
-        raise GcfError(f"No row of the data is usable for {method} ({'; '.join(f'{n} {why}' for why, n in out.skipped.items())}); raise max_length.")
+        raise GcfError(
+            f"No row of the data is usable for {method} ({'; '.join(f'{n} {why}' for why, n in out.skipped.items())}); raise max_length."
+        )
     return out
 
 
 def _long(out: Encoded, long_prompts: str, i: int, n: int, max_length: int) -> bool:
     """Count a prompt of n >= max_length tokens as skipped (True), or refuse it."""
     if long_prompts == "error":
-        raise GcfError(f"Row {i}: the prompt has {n} tokens, at least max_length={max_length}; raise max_length or set long_prompts=skip.")
+        raise GcfError(
+            f"Row {i}: the prompt has {n} tokens, at least max_length={max_length}; raise max_length or set long_prompts=skip."
+        )
     out.skipped[f"prompt of max_length={max_length} tokens or more"] += 1
     return True

@@ -59,7 +59,9 @@ def _candidates(completion: str, rng: random.Random, malformed_fraction: float) 
     return [c for c in out if c != completion]
 
 
-def preference_rows(task: Any, n: Optional[int] = None, seed: int = 0, split: str = "train", malformed_fraction: float = 0.25) -> list[dict[str, str]]:
+def preference_rows(
+    task: Any, n: Optional[int] = None, seed: int = 0, split: str = "train", malformed_fraction: float = 0.25
+) -> list[dict[str, str]]:
     """`{"prompt", "chosen", "rejected"}` rows from a task: its reference completion vs a worse one.
 
     Deterministic in (task, n, seed, split). A row is kept only when the task's reward scores the
@@ -80,9 +82,14 @@ def preference_rows(task: Any, n: Optional[int] = None, seed: int = 0, split: st
             if s < chosen_score[i]:
                 rejected[i] = cands[i][k]
         pending = [i for i in pending if i not in rejected]
-    out = [{"prompt": rows[i]["prompt"], "chosen": str(rows[i]["completion"]), "rejected": rejected[i]} for i in sorted(rejected)]
+    out = [
+        {"prompt": rows[i]["prompt"], "chosen": str(rows[i]["completion"]), "rejected": rejected[i]}
+        for i in sorted(rejected)
+    ]
     if not out:
-        raise GcfError(f"Task {getattr(task, 'name', task)} gave no preference pairs (its reward never preferred the reference); pass --dataset with prompt/chosen/rejected rows.")
+        raise GcfError(
+            f"Task {getattr(task, 'name', task)} gave no preference pairs (its reward never preferred the reference); pass --dataset with prompt/chosen/rejected rows."
+        )
     return out
 
 

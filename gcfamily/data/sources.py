@@ -59,16 +59,22 @@ def describe(source: Any) -> str:
 
 def _pick_split(obj: Any, split: str, name: str) -> Any:
     """A DatasetDict's split (a clear error naming the splits it has); a Dataset as it is."""
-    if type(obj).__name__ in ("DatasetDict", "IterableDatasetDict") or (isinstance(obj, dict) and all(hasattr(v, "column_names") for v in obj.values())):
+    if type(obj).__name__ in ("DatasetDict", "IterableDatasetDict") or (
+        isinstance(obj, dict) and all(hasattr(v, "column_names") for v in obj.values())
+    ):
         if split not in obj:
-            raise GcfError(f"Dataset {name} has no split '{split}'; its splits are {', '.join(sorted(obj))} (set dataset_split).")
+            raise GcfError(
+                f"Dataset {name} has no split '{split}'; its splits are {', '.join(sorted(obj))} (set dataset_split)."
+            )
         return obj[split]
     return obj
 
 
 def _from_disk_folder(path: Path) -> bool:
     """Whether a folder was written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
-    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def _load(source: Any, split: str, config: Optional[str]) -> Any:
@@ -83,13 +89,17 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
     if path.is_file():
         kind = FILE_TYPES.get(path.suffix.lower())
         if kind is None:
-            raise GcfError(f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder.")
+            raise GcfError(
+                f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder."
+            )
         try:
             if kind == "csv":  # cells are text as written ("007", "1.50"), never numbers guessed from them
                 import csv
 
                 with open(path, newline="", encoding="utf-8") as f:
-                    return [{k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)]  # cells past the header dropped
+                    return [
+                        {k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)
+                    ]  # cells past the header dropped
             return ds_lib.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # datasets raises many types for malformed files
             raise GcfError(f"Dataset file {text} could not be read ({_first_line(e)}).") from e
@@ -104,7 +114,9 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
             raise GcfError(f"Dataset folder {text} could not be read ({_first_line(e)}).") from e
     looks_local = path.suffix.lower() in FILE_TYPES or text.startswith((".", "/", "~")) or text.count("/") > 1
     if looks_local:
-        raise GcfError(f"Dataset file {text} does not exist; pass an existing JSONL/JSON/parquet/CSV file, a save_to_disk folder or a hub id like org/name.")
+        raise GcfError(
+            f"Dataset file {text} does not exist; pass an existing JSONL/JSON/parquet/CSV file, a save_to_disk folder or a hub id like org/name."
+        )
     try:
         return ds_lib.load_dataset(text, config, split=split)
     except Exception as e:  # unreachable hub, unknown config or split, gated dataset
@@ -119,11 +131,15 @@ def rename_columns(rows: list[dict[str, Any]], columns: Optional[dict[str, str]]
     if not columns:
         return rows
     if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
-        raise GcfError(f"columns={columns!r} must map names to the dataset's columns, e.g. {{prompt: question, answer: answer}}.")
+        raise GcfError(
+            f"columns={columns!r} must map names to the dataset's columns, e.g. {{prompt: question, answer: answer}}."
+        )
     have = set(rows[0])
     missing = [v for v in columns.values() if v not in have]
     if missing:
-        raise GcfError(f"columns maps to {', '.join(repr(m) for m in missing)}, which dataset {name} lacks; its columns are {', '.join(sorted(have))}.")
+        raise GcfError(
+            f"columns maps to {', '.join(repr(m) for m in missing)}, which dataset {name} lacks; its columns are {', '.join(sorted(have))}."
+        )
     out = []
     for row in rows:
         new = {k: v for k, v in row.items() if k not in columns.values()}
@@ -132,7 +148,9 @@ def rename_columns(rows: list[dict[str, Any]], columns: Optional[dict[str, str]]
     return out
 
 
-def load_rows(source: Any, split: str = "train", config: Optional[str] = None, columns: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+def load_rows(
+    source: Any, split: str = "train", config: Optional[str] = None, columns: Optional[dict[str, str]] = None
+) -> list[dict[str, Any]]:
     """Rows of a dataset as plain dicts, columns renamed; at least one row."""
     name = describe(source)
     ds = _load(source, split, config)

@@ -126,11 +126,15 @@ def _load(target: str, what: str) -> type["Method"]:
     try:
         obj = functools.reduce(getattr, attr.split("."), module)
     except AttributeError:
-        raise GcfError(f"Method {what}: {where} has no attribute '{attr}'; check the class name after the colon.") from None
+        raise GcfError(
+            f"Method {what}: {where} has no attribute '{attr}'; check the class name after the colon."
+        ) from None
     if not (isinstance(obj, type) and issubclass(obj, Method)):
         found = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
-        raise GcfError(f"Method {what} is {found}, not a subclass of gcfamily.methods.base.Method; subclass it "
-                       "(or a built-in method such as gcfamily.methods.grpo.GRPO).")
+        raise GcfError(
+            f"Method {what} is {found}, not a subclass of gcfamily.methods.base.Method; subclass it "
+            "(or a built-in method such as gcfamily.methods.grpo.GRPO)."
+        )
     return obj
 
 
@@ -143,19 +147,27 @@ def _import_module(name: str, what: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise GcfError(f"Method {what}: no module named '{name}' can be imported; install it, or pass its file "
-                           f"as path/to/{name.rsplit('.', 1)[-1]}.py:Class.") from None
-        raise GcfError(f"Method {what}: module '{name}' failed to import (ModuleNotFoundError: {_first_line(e)}); fix that import.") from None
+            raise GcfError(
+                f"Method {what}: no module named '{name}' can be imported; install it, or pass its file "
+                f"as path/to/{name.rsplit('.', 1)[-1]}.py:Class."
+            ) from None
+        raise GcfError(
+            f"Method {what}: module '{name}' failed to import (ModuleNotFoundError: {_first_line(e)}); fix that import."
+        ) from None
     except Exception as e:  # anything the user's module raises while it is imported
-        raise GcfError(f"Method {what}: module '{name}' failed to import ({type(e).__name__}: {_first_line(e)}); fix the error in it.") from None
+        raise GcfError(
+            f"Method {what}: module '{name}' failed to import ({type(e).__name__}: {_first_line(e)}); fix the error in it."
+        ) from None
 
 
 def _import_file(path: str, what: str) -> ModuleType:
     """Import a .py file once under a name unique to its resolved path, registered in sys.modules."""
     p = Path(path).expanduser().resolve()
     if not p.is_file():
-        raise GcfError(f"Method {what}: the file {path} does not exist; pass path/to/file.py:Class, relative to "
-                       f"{Path.cwd()} or absolute.")
+        raise GcfError(
+            f"Method {what}: the file {path} does not exist; pass path/to/file.py:Class, relative to "
+            f"{Path.cwd()} or absolute."
+        )
     name = f"_gcf_file_{re.sub(r'[^0-9A-Za-z_]', '_', p.stem)}_{hashlib.sha1(str(p).encode()).hexdigest()[:10]}"
     if name in sys.modules:
         return sys.modules[name]
@@ -171,8 +183,10 @@ def _import_file(path: str, what: str) -> ModuleType:
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == str(p)]
         lineno = e.lineno if isinstance(e, SyntaxError) else (lines[-1] if lines else None)
         at = f" at line {lineno}" if lineno else ""
-        raise GcfError(f"Method {what}: the file {path} failed to import ({type(e).__name__}{at}: {_first_line(e)}); "
-                       "fix the error in it.") from None
+        raise GcfError(
+            f"Method {what}: the file {path} failed to import ({type(e).__name__}{at}: {_first_line(e)}); "
+            "fix the error in it."
+        ) from None
     return module
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 
-from gcfamily.config import Config, MethodSettings, resolve_settings
+from gcfamily.config import FIELD_NAMES, Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import epoch_indices
 from gcfamily.core.engine import token_weights
 
@@ -73,7 +73,8 @@ class Method:
         """Fill in setting_defaults for the settings the user did not give."""
         for key, value in cls.setting_defaults.items():
             if key not in cfg.explicit:
-                setattr(cfg, key, value(cfg) if callable(value) else value)
+                v = value(cfg) if callable(value) else value
+                setattr(cfg if key in FIELD_NAMES else resolve_settings(cfg, cls).settings, key, v)
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -94,7 +95,14 @@ class Method:
         from gcfamily.data.formats import encode
 
         cfg = self.cfg
-        return encode(self.data_kind, services.training_rows(), services.formatter, cfg.max_length, cfg.long_prompts, self.name or cfg.method)
+        return encode(
+            self.data_kind,
+            services.training_rows(),
+            services.formatter,
+            cfg.max_length,
+            cfg.long_prompts,
+            self.name or cfg.method,
+        )
 
     # -- the three parts of a method -------------------------------------------------
     def data(self, step: int) -> tuple[Batch, Stats]:

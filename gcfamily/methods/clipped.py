@@ -30,7 +30,7 @@ import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.core.engine import effective_mask
-from gcfamily.errors import GcfError
+from gcfamily.config.rules import require
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import OnPolicy
 
@@ -93,16 +93,21 @@ class ClippedOnPolicy(OnPolicy):
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
         s = resolve_settings(cfg, cls).settings
-        checks = [(s.beta >= 0, "beta must be >= 0"), (0 < s.epsilon < 1, "epsilon must be in (0, 1)"),
-                  (s.epsilon_high is None or s.epsilon_high > 0, "epsilon_high must be > 0"), (s.mu >= 1, "mu (inner epochs) must be >= 1"),
-                  (s.num_minibatches >= 1, "num_minibatches must be >= 1"), (s.kl_clamp is None or s.kl_clamp > 0, "kl_clamp must be > 0 or none"),
-                  (s.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}"),
-                  (s.kl_placement in ("loss", "reward"), "kl_placement must be loss or reward"),
-                  (not (s.kl_placement == "reward" and s.kl_estimator == "k3-importance-weighted"),
-                   "k3-importance-weighted weighs by the ratio to pi_old, which is 1 in the reward; use it with kl_placement=loss")]
-        for ok, msg in checks:
-            if not ok:
-                raise GcfError(f"Invalid setting: {msg}.")
+        checks = [
+            (s.beta >= 0, "beta must be >= 0"),
+            (0 < s.epsilon < 1, "epsilon must be in (0, 1)"),
+            (s.epsilon_high is None or s.epsilon_high > 0, "epsilon_high must be > 0"),
+            (s.mu >= 1, "mu (inner epochs) must be >= 1"),
+            (s.num_minibatches >= 1, "num_minibatches must be >= 1"),
+            (s.kl_clamp is None or s.kl_clamp > 0, "kl_clamp must be > 0 or none"),
+            (s.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}"),
+            (s.kl_placement in ("loss", "reward"), "kl_placement must be loss or reward"),
+            (
+                not (s.kl_placement == "reward" and s.kl_estimator == "k3-importance-weighted"),
+                "k3-importance-weighted weighs by the ratio to pi_old, which is 1 in the reward; use it with kl_placement=loss",
+            ),
+        ]
+        require(checks)
 
     # -- settings read by the rule ---------------------------------------------------
     @property
@@ -178,7 +183,9 @@ class ClippedOnPolicy(OnPolicy):
             d = batch["ref_logps"] - logps
             inside = (d.abs() <= self.kl_clamp).to(logps.dtype)  # the clamp's gradient is 0 outside
             log_rho = d.clamp(-self.kl_clamp, self.kl_clamp)
-            coef = coef - self.settings.beta * kl_grad(self.kl_name, log_rho, inside, torch.exp(logps - self._old(batch, logps)))
+            coef = coef - self.settings.beta * kl_grad(
+                self.kl_name, log_rho, inside, torch.exp(logps - self._old(batch, logps))
+            )
         return coef * batch["loss_mask"]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
@@ -210,11 +217,17 @@ class ClippedOnPolicy(OnPolicy):
             rows = mask.any(-1)
             n_rows = max(int(rows.sum()), 1)
             low, high = low.any(-1), high.any(-1)
-            clip = {f"{p}/seq_clip_frac": float((low | high).sum()) / n_rows, f"{p}/seq_clip_low_frac": float(low.sum()) / n_rows,
-                    f"{p}/seq_clip_high_frac": float(high.sum()) / n_rows}
+            clip = {
+                f"{p}/seq_clip_frac": float((low | high).sum()) / n_rows,
+                f"{p}/seq_clip_low_frac": float(low.sum()) / n_rows,
+                f"{p}/seq_clip_high_frac": float(high.sum()) / n_rows,
+            }
         else:
-            clip = {f"{p}/clip_frac": float((low | high).sum()) / n, f"{p}/clip_low_frac": float(low.sum()) / n,
-                    f"{p}/clip_high_frac": float(high.sum()) / n}
+            clip = {
+                f"{p}/clip_frac": float((low | high).sum()) / n,
+                f"{p}/clip_low_frac": float(low.sum()) / n,
+                f"{p}/clip_high_frac": float(high.sum()) / n,
+            }
         out = {**clip, f"{p}/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
         if "ref_logps" in batch:
             d = (batch["ref_logps"] - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32

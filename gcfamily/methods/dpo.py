@@ -58,11 +58,13 @@ class DPO(Method):
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        resolve_settings(cfg, cls)
-        if cfg.beta <= 0:
-            raise GcfError(f"{cfg.method} needs beta > 0 (got {cfg.beta}); 0.1 is usual for DPO.")
+        s = resolve_settings(cfg, cls).settings
+        if s.beta <= 0:
+            raise GcfError(f"{cfg.method} needs beta > 0 (got {s.beta}); 0.1 is usual for DPO.")
         if cfg.loss_norm not in (None, "sum"):
-            raise GcfError(f"{cfg.method} sums log-probs over each completion; loss_norm must be sum (got {cfg.loss_norm}).")
+            raise GcfError(
+                f"{cfg.method} sums log-probs over each completion; loss_norm must be sum (got {cfg.loss_norm})."
+            )
 
     # -- data ------------------------------------------------------------------------
     @classmethod
@@ -78,9 +80,13 @@ class DPO(Method):
         self.ref_model = None  # pi_ref kept to score pairs as the steps reach them (an open budget over a large pool)
         if self.uses_reference:
             cfg, n = self.cfg, len(self.pairs)
-            reach = min(n, cfg.max_steps * cfg.batch_size)  # steps 0..max_steps-1 read the first reach positions of the data order
+            reach = min(
+                n, cfg.max_steps * cfg.batch_size
+            )  # steps 0..max_steps-1 read the first reach positions of the data order
             if (cfg.max_time or cfg.max_tokens or cfg.max_flops) and reach > _UPFRONT_PAIRS:
-                self.ref_model = services.reference()  # the policy before any update: a frozen copy, or with LoRA the adapters off
+                self.ref_model = (
+                    services.reference()
+                )  # the policy before any update: a frozen copy, or with LoRA the adapters off
             else:
                 # setup runs before any update (and before a resumed checkpoint is loaded), so the policy here IS the
                 # reference: no copy is made and no reference model stays in memory
@@ -88,12 +94,17 @@ class DPO(Method):
 
     def _reference_logps(self, model, pairs: list[int]) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
         """pi_ref log-probs of the completion tokens of the given pairs (chosen and rejected), by `model` as pi_ref."""
-        rows = sorted(((i, s) for i in pairs for s in (1, 2)), key=lambda r: len(self.pairs[r[0]][0]) + len(self.pairs[r[0]][r[1]]))
+        rows = sorted(
+            ((i, s) for i in pairs for s in (1, 2)),
+            key=lambda r: len(self.pairs[r[0]][0]) + len(self.pairs[r[0]][r[1]]),
+        )
         was_training = model.training
         model.eval()
         ref = {}
         for chunk in iter_chunks(rows, self.cfg.micro_batch_size):  # length-sorted: little padding
-            lp = self.services.logprobs(model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id))  # [b, L]
+            lp = self.services.logprobs(
+                model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id)
+            )  # [b, L]
             for b, (i, s) in enumerate(chunk):
                 start = len(self.pairs[i][0])
                 ref[(i, s)] = lp[b, start : start + len(self.pairs[i][s])].clone()
@@ -106,13 +117,23 @@ class DPO(Method):
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
         batch["example_weight"] = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
         if self.uses_reference:
-            if self.ref_model is not None:  # every rank scores the step's whole global batch: the same forwards on each (FSDP)
-                new = sorted({i for i in epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size) if (i, 1) not in self.ref})
+            if (
+                self.ref_model is not None
+            ):  # every rank scores the step's whole global batch: the same forwards on each (FSDP)
+                new = sorted(
+                    {
+                        i
+                        for i in epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
+                        if (i, 1) not in self.ref
+                    }
+                )
                 self.ref.update(self._reference_logps(self.ref_model, new))
             ref = torch.zeros(batch["input_ids"].shape)  # [B, L]
             for b, (i, s) in enumerate(rows):
                 if (i, s) not in self.ref:
-                    raise GcfError(f"Pair {i} has no reference log-probs (step {step} is past max_steps={self.cfg.max_steps}); raise max_steps and resume.")
+                    raise GcfError(
+                        f"Pair {i} has no reference log-probs (step {step} is past max_steps={self.cfg.max_steps}); raise max_steps and resume."
+                    )
                 start = len(self.pairs[i][0])
                 ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
             batch["ref_logps"] = ref
@@ -122,8 +143,8 @@ class DPO(Method):
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Implicit reward h per row [B] and dh/dlogp_t [B, L]: h = beta * sum_t (logps - ref_logps)."""
         mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
-        h = self.cfg.beta * ((logps - batch["ref_logps"]) * mask).sum(-1)  # [B]
-        return h, self.cfg.beta * mask
+        h = self.settings.beta * ((logps - batch["ref_logps"]) * mask).sum(-1)  # [B]
+        return h, self.settings.beta * mask
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss per pair [P] and its derivative in the margin: -log sigmoid(m), -sigmoid(-m)."""
@@ -138,7 +159,9 @@ class DPO(Method):
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         h, _ = self.rewards(batch, logps)
         loss, _ = self.pair_loss(h[0::2] - h[1::2])
-        kept = batch["valid"][0::2].to(loss.dtype) if "valid" in batch else torch.ones_like(loss)  # [P]: a masked pair counts nowhere
+        kept = (
+            batch["valid"][0::2].to(loss.dtype) if "valid" in batch else torch.ones_like(loss)
+        )  # [P]: a masked pair counts nowhere
         return -(loss * kept).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
@@ -147,9 +170,13 @@ class DPO(Method):
         loss, _ = self.pair_loss(m)
         seq = (logps * batch["loss_mask"]).sum(-1)  # [B]
         return {
-            "dpo/loss": float(loss.mean()), "dpo/reward_accuracy": float((m > 0).float().mean()), "dpo/margin": float(m.mean()),
-            "dpo/chosen_rewards": float(h[0::2].mean()), "dpo/rejected_rewards": float(h[1::2].mean()),
-            "dpo/chosen_logps": float(seq[0::2].mean()), "dpo/rejected_logps": float(seq[1::2].mean()),
+            "dpo/loss": float(loss.mean()),
+            "dpo/reward_accuracy": float((m > 0).float().mean()),
+            "dpo/margin": float(m.mean()),
+            "dpo/chosen_rewards": float(h[0::2].mean()),
+            "dpo/rejected_rewards": float(h[1::2].mean()),
+            "dpo/chosen_logps": float(seq[0::2].mean()),
+            "dpo/rejected_logps": float(seq[1::2].mean()),
         }
 
 
@@ -167,8 +194,8 @@ class IPO(DPO):
     gc_formula = "+(1/beta - 2 d) on chosen tokens, the negative on rejected; d = sum_t log(pi/pi_ref) over chosen minus rejected"
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gap = (margin - 0.5) / self.cfg.beta  # d - 1/(2 beta)
-        return gap**2, 2 * gap / self.cfg.beta
+        gap = (margin - 0.5) / self.settings.beta  # d - 1/(2 beta)
+        return gap**2, 2 * gap / self.settings.beta
 
 
 class ConservativeDPO(DPO):
@@ -187,16 +214,19 @@ class ConservativeDPO(DPO):
         label_smoothing: float = 0.1
         """Probability that a pair's label is flipped (cDPO's eps), in [0, 0.5)."""
 
-    gc_formula = "+beta*((1-eps)*sigmoid(h_l - h_w) - eps*sigmoid(h_w - h_l)) on chosen tokens, the negative on rejected"
+    gc_formula = (
+        "+beta*((1-eps)*sigmoid(h_l - h_w) - eps*sigmoid(h_w - h_l)) on chosen tokens, the negative on rejected"
+    )
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
-        if not 0 <= cfg.label_smoothing < 0.5:
-            raise GcfError(f"cdpo needs 0 <= label_smoothing < 0.5 (got {cfg.label_smoothing}); 0.1 is usual.")
+        eps = cfg.settings.label_smoothing
+        if not 0 <= eps < 0.5:
+            raise GcfError(f"cdpo needs 0 <= label_smoothing < 0.5 (got {eps}); 0.1 is usual.")
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.label_smoothing
+        eps = self.settings.label_smoothing
         loss = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
         return loss, -(1 - eps) * torch.sigmoid(-margin) + eps * torch.sigmoid(margin)
 
@@ -225,8 +255,8 @@ class SimPO(DPO):
 
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
-        dh = self.cfg.beta * mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]
+        dh = self.settings.beta * mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]
         return (dh * logps).sum(-1), dh
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().pair_loss(margin - self.cfg.simpo_gamma)
+        return super().pair_loss(margin - self.settings.simpo_gamma)

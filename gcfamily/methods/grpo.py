@@ -28,6 +28,7 @@ import torch
 from einops import rearrange, repeat
 
 from gcfamily.config import Config
+from gcfamily.config.rules import require
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.clipped import ClippedOnPolicy
@@ -65,14 +66,19 @@ class GRPO(ClippedOnPolicy):
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
         s = cfg.settings
-        for ok, msg in [(s.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"), (s.ref_refresh_every >= 0, "ref_refresh_every must be >= 0"),
-                        (s.std in ("sample", "population"), "std must be sample or population"),
-                        (s.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
-                        (s.std_eps >= 0, "std_eps must be >= 0")]:
-            if not ok:
-                raise GcfError(f"Invalid setting: {msg}.")
+        require(
+            [
+                (s.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"),
+                (s.ref_refresh_every >= 0, "ref_refresh_every must be >= 0"),
+                (s.std in ("sample", "population"), "std must be sample or population"),
+                (s.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
+                (s.std_eps >= 0, "std_eps must be >= 0"),
+            ]
+        )
         if cfg.group_size < cls.min_group_size:
-            raise GcfError(f"{cls.name} needs group_size >= {cls.min_group_size}: a group-relative advantage compares each sample with the others of its group.")
+            raise GcfError(
+                f"{cls.name} needs group_size >= {cls.min_group_size}: a group-relative advantage compares each sample with the others of its group."
+            )
 
     def setup(self, services: Services) -> None:
         super().setup(services)

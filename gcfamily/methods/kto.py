@@ -41,7 +41,11 @@ from gcfamily.data.preferences import preference_rows
 
 def unpaired_rows(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Preference pairs split into unpaired rows: chosen -> label True, rejected -> label False."""
-    return [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"} for p in pairs for k in ("chosen", "rejected")]
+    return [
+        {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+        for p in pairs
+        for k in ("chosen", "rejected")
+    ]
 
 
 class KTO(Method):
@@ -84,7 +88,9 @@ class KTO(Method):
     def setup(self, services: Services) -> None:
         super().setup(services)
         cfg = self.cfg
-        data = self.load_data(services)  # unpaired rows, or preference pairs split into a desirable and an undesirable row
+        data = self.load_data(
+            services
+        )  # unpaired rows, or preference pairs split into a desirable and an undesirable row
         self.examples, self.skipped = data.examples, data.n_skipped
         self.labels = [row["label"] for row in data.rows]
         if len(self.examples) < 2:
@@ -101,7 +107,9 @@ class KTO(Method):
         batch: Batch = collate(ex, self.pad_id)
         batch["desirable"] = torch.tensor([self.labels[i] for i in idx])  # [B]
         room = self.cfg.max_length
-        batch["kl_batch"] = collate([(p, ex[(j + 1) % len(ex)][1][: room - len(p)]) for j, (p, _) in enumerate(ex)], self.pad_id)
+        batch["kl_batch"] = collate(
+            [(p, ex[(j + 1) % len(ex)][1][: room - len(p)]) for j, (p, _) in enumerate(ex)], self.pad_id
+        )
         return batch, {"skipped_long_prompts": float(self.skipped)}
 
     @torch.no_grad()
@@ -109,7 +117,9 @@ class KTO(Method):
         services = self.services
         kl = batch.pop("kl_batch")
         batch["ref_logps"] = services.logprobs(self.ref, batch)  # [B, L]
-        d = ((services.logprobs(services.policy(), kl) - services.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(-1)  # [B]
+        d = ((services.logprobs(services.policy(), kl) - services.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(
+            -1
+        )  # [B]
         total = services.all_sum(torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)]))
         kl_mean = float(total[0] / total[1])
         batch["kto_z0"] = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
@@ -129,14 +139,20 @@ class KTO(Method):
         s, z0 = self.settings, batch["kto_z0"]
         r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)  # [B]
         good = batch["desirable"].bool()
-        loss = torch.where(good, s.desirable_weight * (1 - torch.sigmoid(s.beta * (r - z0))),
-                           s.undesirable_weight * (1 - torch.sigmoid(s.beta * (z0 - r))))  # [B]
+        loss = torch.where(
+            good,
+            s.desirable_weight * (1 - torch.sigmoid(s.beta * (r - z0))),
+            s.undesirable_weight * (1 - torch.sigmoid(s.beta * (z0 - r))),
+        )  # [B]
         return -(loss * example_weights(batch)).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)  # [B]
         good = batch["desirable"].bool()
-        out = {"kto/loss": float(-self.objective(batch, logps, len(r))), "kto/desirable_frac": float(good.float().mean())}
+        out = {
+            "kto/loss": float(-self.objective(batch, logps, len(r))),
+            "kto/desirable_frac": float(good.float().mean()),
+        }
         for key, sel in (("desirable", good), ("undesirable", ~good)):
             if sel.any():
                 out[f"kto/{key}_reward"] = float(self.settings.beta * r[sel].mean())

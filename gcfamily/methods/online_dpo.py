@@ -67,7 +67,10 @@ class OnlineDPO(DPO, OnPolicy):
         pairs["ref_logps"] = self.services.logprobs(self.ref, pairs, self.logprob_temperature())
         kept = ~skip
         gap = rewards.gather(1, best[:, None]) - rewards.gather(1, worst[:, None])  # [n, 1]
-        return pairs, {"online_dpo/skipped_prompts": float(skip.sum()), "online_dpo/reward_gap": float(gap[kept].mean()) if kept.any() else 0.0}
+        return pairs, {
+            "online_dpo/skipped_prompts": float(skip.sum()),
+            "online_dpo/reward_gap": float(gap[kept].mean()) if kept.any() else 0.0,
+        }
 
     @staticmethod
     def formed(batch: Batch) -> torch.Tensor:

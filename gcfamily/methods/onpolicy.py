@@ -33,6 +33,7 @@ class OnPolicy(Method):
 
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
     data_kind = "prompts"
+
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -43,26 +44,38 @@ class OnPolicy(Method):
     def setup(self, services: Services) -> None:
         super().setup(services)
         cfg = self.cfg
-        data = self.load_data(services)  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
+        data = self.load_data(
+            services
+        )  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
         self.rows, self.prompt_tokens, self.skipped = data.rows, data.examples, data.n_skipped
         ctx = context_length(services.policy())
-        if ctx is not None:  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
+        if (
+            ctx is not None
+        ):  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
             fits = [i for i, p in enumerate(self.prompt_tokens) if len(p) + cfg.max_new_tokens <= ctx]
             if cfg.long_prompts == "error" and len(fits) < len(self.prompt_tokens):
                 i = next(i for i in range(len(self.prompt_tokens)) if i not in set(fits))
                 n = len(self.prompt_tokens[i])
-                raise GcfError(f"A prompt of {n} tokens plus max_new_tokens={cfg.max_new_tokens} needs {n + cfg.max_new_tokens} positions, past the "
-                               f"model's context of {ctx}; shorten it, lower max_new_tokens, or set long_prompts=skip.")
+                raise GcfError(
+                    f"A prompt of {n} tokens plus max_new_tokens={cfg.max_new_tokens} needs {n + cfg.max_new_tokens} positions, past the "
+                    f"model's context of {ctx}; shorten it, lower max_new_tokens, or set long_prompts=skip."
+                )
             if not fits:
-                raise GcfError(f"Every prompt plus max_new_tokens={cfg.max_new_tokens} runs past the model's context of {ctx} tokens; "
-                               "lower max_new_tokens or use shorter prompts.")
+                raise GcfError(
+                    f"Every prompt plus max_new_tokens={cfg.max_new_tokens} runs past the model's context of {ctx} tokens; "
+                    "lower max_new_tokens or use shorter prompts."
+                )
             self.skipped += len(self.prompt_tokens) - len(fits)
             self.rows, self.prompt_tokens = [self.rows[i] for i in fits], [self.prompt_tokens[i] for i in fits]
         self.reward_fn: RewardFn = self.build_reward_fn()
         self.warned_reward = False
         self.sampling = SamplingSettings(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop_strings), compile=cfg.rollout_compile,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_strings=tuple(cfg.stop_strings),
+            compile=cfg.rollout_compile,
         )
 
     def build_reward_fn(self) -> Rewards:
@@ -78,7 +91,9 @@ class OnPolicy(Method):
         weight = float(cfg.reward_weights[0]) if cfg.reward_weights else 1.0  # a single reward's weight
         if cfg.reward_model:
             if specs:
-                raise GcfError(f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model.")
+                raise GcfError(
+                    f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model."
+                )
             from gcfamily.rewards.model import load_reward_model
 
             fn = load_reward_model(cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size)
@@ -89,7 +104,9 @@ class OnPolicy(Method):
             return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
         if task is not None:
             return Rewards([Term(getattr(task, "name", "") or "task", fn=task.reward, weight=weight)])
-        raise GcfError(f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset.")
+        raise GcfError(
+            f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset."
+        )
 
     # -- the data source -------------------------------------------------------------
     def data(self, step: int) -> tuple[Batch, Stats]:
@@ -102,7 +119,9 @@ class OnPolicy(Method):
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
-        ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]  # TRL's completion_ids: sampled tokens, EOS included
+        ids = [
+            row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())
+        ]  # TRL's completion_ids: sampled tokens, EOS included
         stopping = services.stop_requested  # SIGTERM/Ctrl-C: a running user reward is abandoned
         t0 = time.perf_counter()
         scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)
@@ -136,15 +155,28 @@ class OnPolicy(Method):
             "skipped_long_prompts": float(self.skipped),
             "completion/length_mean": float(lengths.mean()),
             "completion/truncated_frac": float(ro.truncated.float().mean()),
-            GENERATED: float(lengths.mean()) * len(lengths),  # as the trainer counted it: mean length times rows sampled
+            GENERATED: float(lengths.mean())
+            * len(lengths),  # as the trainer counted it: mean length times rows sampled
         }
         # the first completion of each of the first 8 prompts, at the metrics' step number
-        services.log_samples(step + 1, [{"prompt": prompts[i], "completion": ro.completions[i], "reward": float(rewards[i]) if valid[i] else None}
-                                           for i in range(0, min(len(prompts), 8 * G), G)])
+        services.log_samples(
+            step + 1,
+            [
+                {
+                    "prompt": prompts[i],
+                    "completion": ro.completions[i],
+                    "reward": float(rewards[i]) if valid[i] else None,
+                }
+                for i in range(0, min(len(prompts), 8 * G), G)
+            ],
+        )
         if errors and not self.warned_reward:  # once per run; every step's count is in reward/failed
             self.warned_reward = True
-            print(f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "
-                  "failed samples get no gradient and are counted in reward/failed.", file=sys.stderr)
+            print(
+                f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "
+                "failed samples get no gradient and are counted in reward/failed.",
+                file=sys.stderr,
+            )
         return batch, stats
 
     def logprob_temperature(self) -> float:
@@ -152,7 +184,9 @@ class OnPolicy(Method):
         return self.cfg.temperature
 
 
-def masked_group_stats(rewards: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def masked_group_stats(
+    rewards: torch.Tensor, valid: torch.Tensor, unbiased: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean, std and count of the valid rewards of each group; rewards/valid are [n, G] -> [n] each.
 
     Computed in float64 so that a tiny spread does not round to zero. A group with fewer than two
@@ -172,4 +206,3 @@ def all_equal_groups(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     hi = rewards.masked_fill(~valid, -math.inf).amax(-1)  # [n]
     lo = rewards.masked_fill(~valid, math.inf).amin(-1)  # [n]
     return (valid.sum(-1) < 2) | (hi <= lo)
-

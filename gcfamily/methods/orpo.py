@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gcfamily.config import Config, MethodSettings
+from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.dpo import DPO
@@ -55,8 +55,9 @@ class ORPO(DPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super(DPO, cls).validate(cfg)  # Method's, not DPO's: ORPO has no beta
-        if cfg.orpo_lambda < 0:
-            raise GcfError(f"orpo needs orpo_lambda >= 0 (got {cfg.orpo_lambda}); 0.1 is usual.")
+        lam = resolve_settings(cfg, cls).settings.orpo_lambda
+        if lam < 0:
+            raise GcfError(f"orpo needs orpo_lambda >= 0 (got {lam}); 0.1 is usual.")
         if cfg.loss_norm not in (None, "sum"):
             raise GcfError(f"orpo averages per-pair losses; loss_norm must be sum (got {cfg.loss_norm}).")
 
@@ -70,7 +71,7 @@ class ORPO(DPO):
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss, dloss = super().pair_loss(margin)  # DPO's -log sigmoid(z)
-        return self.cfg.orpo_lambda * loss, self.cfg.orpo_lambda * dloss
+        return self.settings.orpo_lambda * loss, self.settings.orpo_lambda * dloss
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
@@ -84,12 +85,16 @@ class ORPO(DPO):
         log_odds = a - torch.log1p(-torch.exp(a))  # [B]
         nll = -a[0::2]  # [P]
         l_or = -F.logsigmoid(log_odds[0::2] - log_odds[1::2])  # [P]
-        return -(nll + self.cfg.orpo_lambda * l_or).sum() / Z
+        return -(nll + self.settings.orpo_lambda * l_or).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         odds, _ = self.rewards(batch, logps)
         z = odds[0::2] - odds[1::2]  # [P]
         mask = batch["loss_mask"].to(logps.dtype)
         a = (logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return {"orpo/nll": float(-a[0::2].mean()), "orpo/log_odds_ratio": float(z.mean()), "orpo/or_loss": float(-F.logsigmoid(z).mean()),
-                "orpo/accuracy": float((z > 0).float().mean())}
+        return {
+            "orpo/nll": float(-a[0::2].mean()),
+            "orpo/log_odds_ratio": float(z.mean()),
+            "orpo/or_loss": float(-F.logsigmoid(z).mean()),
+            "orpo/accuracy": float((z > 0).float().mean()),
+        }

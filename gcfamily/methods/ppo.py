@@ -43,6 +43,7 @@ from gcfamily.data.batches import to_device
 from gcfamily.core.engine import build_optimizer, effective_mask, second_model_step
 from gcfamily.core.memory import module_mb
 from gcfamily.core.packing import backbone_hidden
+from gcfamily.config.rules import require
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.clipped import ClippedOnPolicy
@@ -64,19 +65,25 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)  # V = 0 at the start: the first baseline is no baseline
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """values[b, t] = V of the state that emits token t, read at position t-1 (0 at t = 0).
 
         With `loss_mask` the backbone runs packed like the policy's (a shared prompt once, no
         padding), and values before the first loss column of the batch are 0 (nothing reads them).
         """
         lm = loss_mask if loss_mask is not None else torch.ones_like(attention_mask)
-        hidden, S = backbone_hidden(self.backbone, input_ids, attention_mask, lm, share_prefix=loss_mask is not None)  # [B, L - S, H]
+        hidden, S = backbone_hidden(
+            self.backbone, input_ids, attention_mask, lm, share_prefix=loss_mask is not None
+        )  # [B, L - S, H]
         v = self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1)  # [B, L - S - 1]
         return torch.cat([v.new_zeros(v.shape[0], S + 1), v], dim=1)  # [B, L]
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, L] by GAE over each row's masked positions, right to left; 0 elsewhere.
 
     The masked positions of a row are its completion tokens, wherever the padding puts them; the
@@ -96,7 +103,9 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv, (adv + values) * m
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """(x - mean) / std over the masked entries (sample std), 0 elsewhere; unchanged but centred if fewer than 2.
 
     With `all_sum` (a sum over the processes, DistEnv.all_sum) the mean and std are those of every
@@ -127,7 +136,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - (returns[m] - values[m]).double().var() / var)
 
 
-def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss_terms(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss max((V-R)^2, (clip(V, V_old-c, V_old+c)-R)^2) and where the clipped term wins."""
     unclipped = (values - returns) ** 2
     if clip <= 0:
@@ -144,7 +155,9 @@ class PPO(ClippedOnPolicy):
     """PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022): GC = r_t * A_t * 1[not clipped], A_t by GAE."""
 
     name = "ppo"
-    data_source = "the policy's own samples (G per prompt), scored by the reward; a learned critic supplies the baseline"
+    data_source = (
+        "the policy's own samples (G per prompt), scored by the reward; a learned critic supplies the baseline"
+    )
     gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_placement=reward),  A_t = GAE(gamma, lam) on a learned value model"
     default_norm = "token"
     metric_prefix = "ppo"
@@ -170,27 +183,36 @@ class PPO(ClippedOnPolicy):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
-        for ok, msg in [(0 <= cfg.gamma <= 1, "gamma must be in [0, 1]"), (0 <= cfg.lam <= 1, "lam must be in [0, 1]"),
-                        (cfg.vf_coef > 0, "vf_coef must be > 0"), (cfg.critic_lr > 0, "critic_lr must be > 0"),
-                        (cfg.value_clip >= 0, "value_clip must be >= 0 (0 turns the value clip off)")]:
-            if not ok:
-                raise GcfError(f"Invalid setting: {msg}.")
+        s = cfg.settings
+        require(
+            [
+                (0 <= s.gamma <= 1, "gamma must be in [0, 1]"),
+                (0 <= s.lam <= 1, "lam must be in [0, 1]"),
+                (s.vf_coef > 0, "vf_coef must be > 0"),
+                (s.critic_lr > 0, "critic_lr must be > 0"),
+                (s.value_clip >= 0, "value_clip must be >= 0 (0 turns the value clip off)"),
+            ]
+        )
 
     def setup(self, services: Services) -> None:
         super().setup(services)
         cfg = self.cfg
-        self.ref = services.reference() if cfg.beta > 0 else None
+        self.ref = services.reference() if self.settings.beta > 0 else None
         self.critic = self.build_critic(services)
-        self.critic_optimizer = build_optimizer(self.critic.parameters(), cfg.critic_lr, cfg.weight_decay, tuple(cfg.adam_betas))
+        self.critic_optimizer = build_optimizer(
+            self.critic.parameters(), self.settings.critic_lr, cfg.weight_decay, tuple(cfg.adam_betas)
+        )
         self.critic_tokens = 0.0  # valid tokens the critic's loss summed over since its last step
 
     def build_critic(self, services: Services) -> ValueModel:
         """A copy of the policy's backbone (or of `critic_model`'s, which must share the tokenizer) + a scalar head."""
-        name = self.cfg.critic_model
+        name = self.settings.critic_model
         if name:
             model, tok = load_model(name, services.dtype, services.device, self.cfg.trust_remote_code, self.cfg.seed)
             if tok.get_vocab() != services.tokenizer.get_vocab():
-                raise GcfError(f"critic_model={name} has another tokenizer than the policy; the critic reads the policy's tokens, so pick a model of the same family.")
+                raise GcfError(
+                    f"critic_model={name} has another tokenizer than the policy; the critic reads the policy's tokens, so pick a model of the same family."
+                )
             backbone = model.get_decoder()
             backbone.requires_grad_(True)
         elif lora.is_peft(services.policy()):  # adapters of its own over the policy's frozen base: no copy of the base
@@ -205,15 +227,18 @@ class PPO(ClippedOnPolicy):
     # -- prepare: values, per-token rewards, GAE -------------------------------------
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
-        cfg = self.cfg
         kl_reward = self.settings.kl_placement == "reward" and self.ref is not None
         old = self.old_and_ref_logps(batch)  # [N, L] or None
         mask = batch["loss_mask"].float()  # [N, L]
         valid = effective_mask(batch)  # [N, L]
         batch["values"] = self.critic_values(batch) * mask  # [N, L]
         batch["token_rewards"] = self.token_rewards(batch, old)  # [N, L]
-        adv, batch["returns"] = gae(batch["token_rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
-        batch["advantages"] = whiten(adv, valid, self.services.all_sum) if self.whiten_advantages else adv * valid  # [N, L]
+        adv, batch["returns"] = gae(
+            batch["token_rewards"], batch["values"], mask, self.settings.gamma, self.settings.lam
+        )
+        batch["advantages"] = (
+            whiten(adv, valid, self.services.all_sum) if self.whiten_advantages else adv * valid
+        )  # [N, L]
         n = max(float(valid.sum()), 1.0)
         stats = {
             "ppo/explained_variance": explained_variance(batch["values"], batch["returns"], valid),
@@ -222,7 +247,9 @@ class PPO(ClippedOnPolicy):
             "ppo/adv_raw_std": float(adv[valid.bool()].std()) if n > 1 else 0.0,
         }
         if kl_reward:
-            stats["ppo/kl_penalty_mean"] = float((cfg.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
+            stats["ppo/kl_penalty_mean"] = (
+                float((self.settings.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
+            )
         return batch, stats
 
     @torch.no_grad()
@@ -231,7 +258,9 @@ class PPO(ClippedOnPolicy):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         size = self.cfg.micro_batch_size
         for s in range(0, out.shape[0], size):
-            mb = to_device({k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.services.device)
+            mb = to_device(
+                {k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.services.device
+            )
             out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).float().cpu()
         return out
 
@@ -244,7 +273,9 @@ class PPO(ClippedOnPolicy):
         rewards = torch.zeros(N, L)
         rewards[torch.arange(N), last] = R
         if old_logps is not None and self.settings.kl_placement == "reward" and "ref_logps" in batch:
-            rewards = rewards - self.settings.beta * self.kl_reward(batch["ref_logps"], old_logps) * mask  # k1: InstructGPT's -beta log(pi/pi_ref)
+            rewards = (
+                rewards - self.settings.beta * self.kl_reward(batch["ref_logps"], old_logps) * mask
+            )  # k1: InstructGPT's -beta log(pi/pi_ref)
         return rewards
 
     # -- the policy's rule: the shared clipped surrogate on GAE advantages ---------
@@ -256,10 +287,15 @@ class PPO(ClippedOnPolicy):
         """vf_coef * sum over valid tokens of the clipped value loss (the step's token count divides it later)."""
         mask = effective_mask(batch)  # [b, L]
         values = self.critic(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])  # [b, L] with grad
-        per_token, clipped = value_loss_terms(values, batch["values"].float(), batch["returns"].float(), self.cfg.value_clip)
+        per_token, clipped = value_loss_terms(
+            values, batch["values"].float(), batch["returns"].float(), self.settings.value_clip
+        )
         k = max(float(mask.sum()), 1.0)
-        stats = {"ppo/value_loss": float((per_token.detach() * mask).sum()) / k, "ppo/vf_clip_frac": float((clipped * mask).sum()) / k}
-        return self.cfg.vf_coef * (per_token * mask).sum(), stats
+        stats = {
+            "ppo/value_loss": float((per_token.detach() * mask).sum()) / k,
+            "ppo/vf_clip_frac": float((clipped * mask).sum()) / k,
+        }
+        return self.settings.vf_coef * (per_token * mask).sum(), stats
 
     def auxiliary_step(self, batch: Batch) -> dict[str, float]:
         """The critic's backward on this micro-batch; it steps once per policy step, in auxiliary_step_end."""
@@ -274,25 +310,47 @@ class PPO(ClippedOnPolicy):
         # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or FSDP2's reduce-scatter
         # when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
         tokens = float(services.all_sum(torch.tensor([self.critic_tokens], dtype=torch.float64))) / services.world_size
-        status, norm = second_model_step(self.critic_optimizer, list(self.critic.parameters()), tokens, self.cfg.grad_clip,
-                                         services.all_finite, services.clip_grad_norm)  # sharded: norms span the ranks
-        out: dict[str, float] = {"ppo/critic_grad_norm": norm} if status == "stepped" else {"ppo/critic_skipped": 1.0} if status == "skipped" else {}
+        status, norm = second_model_step(
+            self.critic_optimizer,
+            list(self.critic.parameters()),
+            tokens,
+            self.cfg.grad_clip,
+            services.all_finite,
+            services.clip_grad_norm,
+        )  # sharded: norms span the ranks
+        out: dict[str, float] = (
+            {"ppo/critic_grad_norm": norm}
+            if status == "stepped"
+            else {"ppo/critic_skipped": 1.0}
+            if status == "skipped"
+            else {}
+        )
         self.critic_tokens = 0.0
         param_mb, optim_mb = module_mb(self.critic, self.critic_optimizer)
-        out.update({"ppo/critic_param_mb": param_mb, "ppo/critic_optimizer_mb": optim_mb, "ppo/critic_memory_mb": param_mb + optim_mb})
+        out.update(
+            {
+                "ppo/critic_param_mb": param_mb,
+                "ppo/critic_optimizer_mb": optim_mb,
+                "ppo/critic_memory_mb": param_mb + optim_mb,
+            }
+        )
         return out
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # what the critic trains: all of it, or (LoRA) its adapters and head, not the base it shares with the policy
         frozen = {n for n, p in self.critic.named_parameters() if not p.requires_grad}
-        return {"critic": {k: v.detach().cpu().clone() for k, v in self.critic.state_dict().items() if k not in frozen},
-                "critic_optimizer": self.critic_optimizer.state_dict()}
+        return {
+            "critic": {k: v.detach().cpu().clone() for k, v in self.critic.state_dict().items() if k not in frozen},
+            "critic_optimizer": self.critic_optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "critic" in state:
             frozen = {n for n, p in self.critic.named_parameters() if not p.requires_grad}
             missing, unexpected = self.critic.load_state_dict(state["critic"], strict=False)
             if unexpected or set(missing) - frozen:
-                raise GcfError(f"The checkpoint's critic does not match this run's (missing {sorted(set(missing) - frozen)[:3]}, unexpected {unexpected[:3]}).")
+                raise GcfError(
+                    f"The checkpoint's critic does not match this run's (missing {sorted(set(missing) - frozen)[:3]}, unexpected {unexpected[:3]})."
+                )
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])

@@ -55,7 +55,9 @@ class ReinforceBaseline(GRPO):
         if not 0 <= s.baseline_decay < 1:
             raise GcfError(f"Invalid setting: baseline_decay must be in [0, 1) (got {s.baseline_decay}).")
         if s.scale_rewards == "group":
-            raise GcfError("Invalid setting: reinforce-baseline takes scale_rewards none or batch; group would zero equal-reward groups.")
+            raise GcfError(
+                "Invalid setting: reinforce-baseline takes scale_rewards none or batch; group would zero equal-reward groups."
+            )
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)

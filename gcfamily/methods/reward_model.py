@@ -55,7 +55,9 @@ class RewardModelTraining(Method):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         if cfg.reward_model:
-            raise GcfError("reward_model is the input of on-policy methods; `--method reward-model` trains one and writes it to --output-dir.")
+            raise GcfError(
+                "reward_model is the input of on-policy methods; `--method reward-model` trains one and writes it to --output-dir."
+            )
 
     # -- data and the model ----------------------------------------------------------
     def setup(self, services: Services) -> None:
@@ -69,23 +71,32 @@ class RewardModelTraining(Method):
             order = list(range(len(data.examples)))
             random.Random(f"reward-model/{cfg.seed}").shuffle(order)
             n_held = min(len(order) // 10, cfg.eval_samples)  # a seeded tenth, never trained on
-            self.heldout, self.pairs = [data.examples[i] for i in order[:n_held]], [data.examples[i] for i in order[n_held:]]
+            self.heldout, self.pairs = (
+                [data.examples[i] for i in order[:n_held]],
+                [data.examples[i] for i in order[n_held:]],
+            )
         else:
             self.pairs = data.examples
             held = preference_rows(services.task, cfg.eval_samples, cfg.seed, split="test")
-            self.heldout = encode(self.data_kind, held, services.formatter, cfg.max_length, cfg.long_prompts, self.name).examples
+            self.heldout = encode(
+                self.data_kind, held, services.formatter, cfg.max_length, cfg.long_prompts, self.name
+            ).examples
         self.pad_id = default_pad_id(services.tokenizer)
         self.rm = RewardModel.from_causal_lm(services.policy(), services.tokenizer, cfg.max_length).train()
         if cfg.activation_checkpointing and hasattr(self.rm.model, "gradient_checkpointing_enable"):
             self.rm.model.gradient_checkpointing_enable()
         # the reward model is the model this run trains: it takes the run's lr and schedule
         self.optimizer = build_optimizer(self.rm.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        )
         self.pairs_in_step = 0
 
     def data(self, step: int) -> tuple[Batch, Stats]:
         idx = epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
-        batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i in idx for s in (1, 2)], self.pad_id)  # chosen 2k, rejected 2k+1
+        batch: Batch = collate(
+            [(self.pairs[i][0], self.pairs[i][s]) for i in idx for s in (1, 2)], self.pad_id
+        )  # chosen 2k, rejected 2k+1
         return batch, {"skipped_long_prompts": float(self.skipped)}
 
     # -- the policy's coefficient: none ----------------------------------------------
@@ -104,12 +115,19 @@ class RewardModelTraining(Method):
         loss.sum().backward()
         self.pairs_in_step += int(loss.shape[0])
         m = (chosen - rejected).detach()
-        return {"loss": float(loss.detach().mean()), "rm/accuracy": float((m > 0).float().mean() + 0.5 * (m == 0).float().mean()),
-                "rm/margin": float(m.mean()), "rm/chosen_score": float(chosen.detach().mean()), "rm/rejected_score": float(rejected.detach().mean())}
+        return {
+            "loss": float(loss.detach().mean()),
+            "rm/accuracy": float((m > 0).float().mean() + 0.5 * (m == 0).float().mean()),
+            "rm/margin": float(m.mean()),
+            "rm/chosen_score": float(chosen.detach().mean()),
+            "rm/rejected_score": float(rejected.detach().mean()),
+        }
 
     def auxiliary_step_end(self) -> dict[str, float]:
         """Mean over the step's pairs, then clip and step; a non-finite step is skipped and counted."""
-        status, norm = second_model_step(self.optimizer, list(self.rm.parameters()), self.pairs_in_step, self.cfg.grad_clip)
+        status, norm = second_model_step(
+            self.optimizer, list(self.rm.parameters()), self.pairs_in_step, self.cfg.grad_clip
+        )
         out: dict[str, float] = {"skipped": float(status == "skipped")}
         if status == "stepped":
             out["grad_norm"] = norm
@@ -135,8 +153,11 @@ class RewardModelTraining(Method):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rm": {k: v.detach().cpu().clone() for k, v in self.rm.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {
+            "rm": {k: v.detach().cpu().clone() for k, v in self.rm.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "rm" in state:

@@ -22,7 +22,9 @@ class SFT(Method):
 
     def setup(self, services: Services) -> None:
         super().setup(services)
-        data = self.load_data(services)  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
+        data = self.load_data(
+            services
+        )  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
         self.examples, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(services.tokenizer)
 

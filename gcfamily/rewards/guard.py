@@ -89,7 +89,9 @@ class RewardWorker:
             raise GcfError(reply[1])
         if reply[0] != "ready":  # the process ended while importing the rewards
             self.close()
-            raise GcfError(f"the reward worker process ended while importing {', '.join(self.specs)} ({reply[1]}); fix the reward module.")
+            raise GcfError(
+                f"the reward worker process ended while importing {', '.join(self.specs)} ({reply[1]}); fix the reward module."
+            )
 
     def close(self) -> None:
         """End the process (killed if a reward is still running)."""
@@ -112,15 +114,24 @@ class RewardWorker:
                     return self.conn.recv()
                 except (EOFError, OSError):  # os._exit, a crash or a kill: the pipe closed
                     code = self.proc.wait()
-                    return ("lost", f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)")
+                    return (
+                        "lost",
+                        f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)",
+                    )
             if deadline is not None and time.monotonic() > deadline:
                 return ("lost", f"did not return within reward_timeout={self.timeout:g} s")
             if should_stop is not None and should_stop():
                 return ("lost", "was abandoned because the run is stopping")
 
     def call(
-        self, spec: str, name: str, prompts: list[Any], completions: list[Any], completion_ids: Optional[list[list[int]]],
-        columns: dict[str, Sequence[Any]], should_stop: Optional[Callable[[], bool]] = None,
+        self,
+        spec: str,
+        name: str,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: Optional[list[list[int]]],
+        columns: dict[str, Sequence[Any]],
+        should_stop: Optional[Callable[[], bool]] = None,
     ) -> calling.Values:
         """calling.call_values in the worker: raw values and per-sample errors. A call that is lost fails all its samples."""
         if self.proc is None:  # the last call killed or lost it

@@ -44,7 +44,9 @@ class RewardModel(nn.Module):
         self.max_length = max_length
         head = self.head
         if not isinstance(head, nn.Linear) or head.out_features != 1:
-            raise GcfError(f"{type(model).__name__} has no scalar `score` head; a reward model needs a *ForSequenceClassification with num_labels=1.")
+            raise GcfError(
+                f"{type(model).__name__} has no scalar `score` head; a reward model needs a *ForSequenceClassification with num_labels=1."
+            )
 
     @property
     def backbone(self) -> nn.Module:
@@ -77,29 +79,41 @@ class RewardModel(nn.Module):
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
-        (out / "reward_model.json").write_text(json.dumps({"kind": "bradley-terry", "score": "last real token", "max_length": self.max_length}, indent=2))
+        (out / "reward_model.json").write_text(
+            json.dumps({"kind": "bradley-terry", "score": "last real token", "max_length": self.max_length}, indent=2)
+        )
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None) -> "RewardModel":
+    def load(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None
+    ) -> "RewardModel":
         """A saved reward model, frozen, in eval mode; a folder that is not one is a clear error."""
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         p = Path(path)
         if not (p / "config.json").is_file():
-            raise GcfError(f"Reward model folder {path} has no config.json; pass the output folder of `gcf run --method reward-model`.")
+            raise GcfError(
+                f"Reward model folder {path} has no config.json; pass the output folder of `gcf run --method reward-model`."
+            )
         from gcfamily.models import check_source
 
         check_source(str(p))  # a damaged config or weights, or pickle weights (never unpickled): one sentence
         try:
             config = AutoConfig.from_pretrained(p)
         except (OSError, ValueError) as e:
-            raise GcfError(f"Reward model folder {path} has an unreadable config.json ({str(e).splitlines()[0][:160]}).") from e
+            raise GcfError(
+                f"Reward model folder {path} has an unreadable config.json ({str(e).splitlines()[0][:160]})."
+            ) from e
         archs = getattr(config, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
-            raise GcfError(f"{path} is not a reward model (architectures {archs}, num_labels {config.num_labels}); train one with `gcf run --method reward-model`.")
+            raise GcfError(
+                f"{path} is not a reward model (architectures {archs}, num_labels {config.num_labels}); train one with `gcf run --method reward-model`."
+            )
         try:
             tok = AutoTokenizer.from_pretrained(p)
-            model = AutoModelForSequenceClassification.from_pretrained(p, use_safetensors=True, **({"dtype": dtype} if dtype is not None else {}))
+            model = AutoModelForSequenceClassification.from_pretrained(
+                p, use_safetensors=True, **({"dtype": dtype} if dtype is not None else {})
+            )
         except (OSError, ValueError, RuntimeError) as e:
             raise GcfError(f"Reward model folder {path} could not be loaded ({str(e).splitlines()[0][:200]}).") from e
         if tok.pad_token_id is None:
@@ -113,7 +127,12 @@ class RewardModel(nn.Module):
     # -- scoring ---------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Scores [B] (float32) of padded rows, read at each row's last attended token."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, L, H]
         L = attention_mask.shape[1]
         last = (attention_mask.long() * torch.arange(L, device=attention_mask.device)).argmax(-1)  # [B]
@@ -148,7 +167,9 @@ class RewardModel(nn.Module):
     def score(self, prompts: Sequence[Any], completions: Sequence[str], batch_size: int = 16) -> list[float]:
         """r(q, o) for each (prompt, completion), batched, without grad."""
         if len(prompts) != len(completions):
-            raise GcfError(f"got {len(prompts)} prompts for {len(completions)} completions; pass one prompt per completion.")
+            raise GcfError(
+                f"got {len(prompts)} prompts for {len(completions)} completions; pass one prompt per completion."
+            )
         was_training = self.training
         self.eval()
         try:
@@ -162,11 +183,15 @@ class RewardModel(nn.Module):
         from gcfamily.rewards.verifiable import completion_text
 
         def reward_model(prompts: list, completions: list, **columns: Any) -> list[float]:
-            return self.score(prompts, [completion_text(c) for c in completions], batch_size)  # conversational: the message's text
+            return self.score(
+                prompts, [completion_text(c) for c in completions], batch_size
+            )  # conversational: the message's text
 
         return reward_model
 
 
-def load_reward_model(path: str, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None, batch_size: int = 16) -> Any:
+def load_reward_model(
+    path: str, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None, batch_size: int = 16
+) -> Any:
     """`--reward-model DIR` as a reward function: the saved model, frozen, scoring in batches."""
     return RewardModel.load(path, device, dtype).reward_fn(batch_size)

@@ -55,7 +55,10 @@ def reward_specs(value: Any) -> list[str]:
 
 def as_completions(prompts: Sequence[Any], completions: Sequence[Any]) -> list[Any]:
     """Each completion as the rewards see it: a message list where its prompt is one (TRL's conversational form)."""
-    return [[{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c for p, c in zip(prompts, completions)]
+    return [
+        [{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c
+        for p, c in zip(prompts, completions)
+    ]
 
 
 def _as_reward(value: Any) -> float | None:
@@ -89,13 +92,19 @@ class Scores:
     rewards: torch.Tensor  # [N] float32, sum_k w_k r_k where valid, 0 elsewhere
     valid: torch.Tensor  # [N] bool, every reward valid
     errors: list[str]  # one per invalid sample: its first failing reward's message
-    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (r_k [N], valid_k [N])
+    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # name -> (r_k [N], valid_k [N])
     failed_by: list[str] = field(default_factory=list)  # per invalid sample, the name of its first failing reward
 
     def failure_message(self) -> str:
         """One sentence for a batch where every sample failed, naming the function(s)."""
         names = list(dict.fromkeys(self.failed_by))
-        who = f"reward function '{names[0]}'" if len(names) == 1 else "reward functions " + ", ".join(f"'{n}'" for n in names)
+        who = (
+            f"reward function '{names[0]}'"
+            if len(names) == 1
+            else "reward functions " + ", ".join(f"'{n}'" for n in names)
+        )
         return f"{who} failed on all {len(self.valid)} samples (first: {self.errors[0]}); fix the function or its input columns."
 
     def stats(self) -> dict[str, float]:
@@ -129,13 +138,17 @@ class Rewards:
         """Built-in names and function objects (from Python) run here; module:function and file.py:function in one worker process (timeout per call)."""
         weights = list(weights) or [1.0] * len(specs)
         if len(weights) != len(specs):
-            raise GcfError(f"reward_weights has {len(weights)} values for {len(specs)} rewards; give one weight per reward.")
+            raise GcfError(
+                f"reward_weights has {len(weights)} values for {len(specs)} rewards; give one weight per reward."
+            )
         terms, taken = [], set()
         for spec, w in zip(specs, weights):
             if callable(spec):
                 name = _name(spec)
             elif not isinstance(spec, str):
-                raise GcfError(f"reward {spec!r} is neither a reward name, module:function, path/file.py:function nor a function.")
+                raise GcfError(
+                    f"reward {spec!r} is neither a reward name, module:function, path/file.py:function nor a function."
+                )
             elif spec not in REWARDS and ":" not in spec:
                 load_reward(spec)  # the unknown-name sentence
             if not callable(spec):
@@ -161,14 +174,20 @@ class Rewards:
         if self.worker is not None:
             self.worker.close()
 
-    def _values(self, term: Term, prompts: list, completions: list, ids: Any, columns: dict, should_stop: Any) -> tuple[list, dict]:
+    def _values(
+        self, term: Term, prompts: list, completions: list, ids: Any, columns: dict, should_stop: Any
+    ) -> tuple[list, dict]:
         if term.spec is not None:
             return self.worker.call(term.spec, term.name, prompts, completions, ids, columns, should_stop)
         return call_values(term.fn, term.name, prompts, completions, ids, columns)
 
     def score(
-        self, prompts: Sequence[Any], completions: Sequence[str], completion_ids: Optional[Sequence[list[int]]] = None,
-        columns: Optional[dict[str, Sequence[Any]]] = None, should_stop: Optional[Callable[[], bool]] = None,
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[str],
+        completion_ids: Optional[Sequence[list[int]]] = None,
+        columns: Optional[dict[str, Sequence[Any]]] = None,
+        should_stop: Optional[Callable[[], bool]] = None,
     ) -> Scores:
         """Score N samples with every reward; never raises for a failing sample (see `Scores`), only for the user's setup."""
         n, columns = len(completions), dict(columns or {})
@@ -222,7 +241,10 @@ def as_rewards(fn: Any) -> Rewards:
 
 
 def score(
-    fn: RewardFn, prompts: list[Any], completions: list[str], columns: dict[str, Sequence[Any]],
+    fn: RewardFn,
+    prompts: list[Any],
+    completions: list[str],
+    columns: dict[str, Sequence[Any]],
     completion_ids: Optional[Sequence[list[int]]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Call one reward function so that one bad sample cannot sink, or silently pollute, a batch.

@@ -130,7 +130,10 @@ def _eos_ids(model, tokenizer, eos_token_ids: list[int] | None) -> list[int]:
     if eos_token_ids is not None:
         return list(eos_token_ids)
     ids: list[int] = []
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for src in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         ids += [] if src is None else [src] if isinstance(src, int) else list(src)
     return sorted(set(ids))
 
@@ -154,6 +157,7 @@ def _cut_at_stops(tokenizer, tokens: torch.Tensor, lengths: torch.Tensor, ended:
     lengths independent of when the checks ran.
     """
     for row, (seq, L) in enumerate(zip(tokens.tolist(), lengths.tolist())):
+
         def stopped(m: int) -> bool:
             return _first_stop(tokenizer.decode(seq[:m], skip_special_tokens=True), stops) >= 0
 
@@ -190,9 +194,13 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0]) if len(eos) else 0
     P = max(len(p) for p in prompt_ids)
     limit = context_length(model)
-    if limit is not None and P + C > limit:  # past it a position table is indexed out of range, or RoPE extrapolates unchecked
-        raise GcfError(f"A prompt of {P} tokens plus max_new_tokens={C} needs {P + C} positions, past the model's context of {limit} "
-                       f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more).")
+    if (
+        limit is not None and P + C > limit
+    ):  # past it a position table is indexed out of range, or RoPE extrapolates unchecked
+        raise GcfError(
+            f"A prompt of {P} tokens plus max_new_tokens={C} needs {P + C} positions, past the model's context of {limit} "
+            f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more)."
+        )
     prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
     static = decode.wanted(model, settings.compile)
     if static:
@@ -204,8 +212,19 @@ def generate(
     return _decode(model, tokenizer, settings, generator, eos, pad_id, prompt_ids, prompt, prompt_mask, G, False)
 
 
-def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.Tensor, pad_id: int, prompt_ids: list[list[int]],
-            prompt: torch.Tensor, prompt_mask: torch.Tensor, G: int, static: bool) -> Rollout:
+def _decode(
+    model,
+    tokenizer,
+    settings: SamplingSettings,
+    generator,
+    eos: torch.Tensor,
+    pad_id: int,
+    prompt_ids: list[list[int]],
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    G: int,
+    static: bool,
+) -> Rollout:
     """The rollout loop: prefill, then one token a step, eagerly or through the compiled fixed-shape step.
 
     The KV cache's prompt columns are the prompts left-padded, or, where they share a prefix of at
@@ -231,12 +250,22 @@ def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.
             eager.enter_context(packed_linears(model, N))
             eager.enter_context(rollout_attention(model))
         # Prefill each distinct prompt once, then copy its cache rows G times.
-        c = _shared_prefix(prompt_ids) if all(isinstance(layer, _GrowingLayer) for layer in getattr(cache, "layers", [None])) else 0
+        c = (
+            _shared_prefix(prompt_ids)
+            if all(isinstance(layer, _GrowingLayer) for layer in getattr(cache, "layers", [None]))
+            else 0
+        )
         if c:  # the tokens every prompt starts with (a chat template's system turn) once, then each prompt's own after them
-            step(torch.tensor([prompt_ids[0][:c]], device=device), prompt_mask.new_ones(1, c), torch.arange(c, device=device)[None])
+            step(
+                torch.tensor([prompt_ids[0][:c]], device=device),
+                prompt_mask.new_ones(1, c),
+                torch.arange(c, device=device)[None],
+            )
             cache.batch_repeat_interleave(n)
             rest, rest_mask = _left_pad([p[c:] for p in prompt_ids], pad_id, device)  # [n, P - c]
-            kv_mask = torch.cat([rest_mask.new_ones(n, c), rest_mask], 1)  # [n, P]: the KV columns, prefix then left-padded rests
+            kv_mask = torch.cat(
+                [rest_mask.new_ones(n, c), rest_mask], 1
+            )  # [n, P]: the KV columns, prefix then left-padded rests
             pos = c + (rest_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P - c]: the same positions as in the whole prompt
             logits = step(rest, kv_mask, pos)
         else:
@@ -266,7 +295,11 @@ def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.
         for t in range(C):
             # One uniform per row of the result at every step, whichever rows are still in flight: the
             # tokens drawn depend on the seed alone, not on when the batch was compacted.
-            u = None if settings.greedy else torch.rand(N, 1, generator=generator, device=draw)[active.to(draw)].to(device)
+            u = (
+                None
+                if settings.greedy
+                else torch.rand(N, 1, generator=generator, device=draw)[active.to(draw)].to(device)
+            )
             tok, lp = sample_tokens(logits, settings, generator, u)  # [A]
             tokens[active, t], logps[active, t] = tok, lp
             hit = torch.isin(tok, eos)  # [A]
@@ -279,8 +312,11 @@ def _decode(model, tokenizer, settings: SamplingSettings, generator, eos: torch.
                 break
             # Drop ended rows so later steps spend nothing on them: eagerly once the row-steps saved outweigh
             # the copy; in the static decoder when the rows left fit a smaller bucket.
-            if n_done and (dec.bucket(len(active) - n_done) < dec.size if static
-                           else n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active)):
+            if n_done and (
+                dec.bucket(len(active) - n_done) < dec.size
+                if static
+                else n_done * (C - 1 - t) >= _COMPACT_AFTER * len(active)
+            ):
                 lengths[active], ended[active] = len_a, ended_a
                 live = (~ended_a).nonzero()[:, 0]  # [A']
                 if static:
@@ -320,7 +356,9 @@ def context_length(model) -> int | None:
 def _check(settings: SamplingSettings) -> None:
     """Settings a user can get wrong end in one clear sentence."""
     if not settings.greedy and not 0 < settings.temperature < math.inf:  # written so that NaN fails
-        raise GcfError(f"temperature must be > 0 and finite (got {settings.temperature}); set greedy: true for argmax decoding.")
+        raise GcfError(
+            f"temperature must be > 0 and finite (got {settings.temperature}); set greedy: true for argmax decoding."
+        )
     if not 0 < settings.top_p <= 1:
         raise GcfError(f"top_p must be in (0, 1] (got {settings.top_p}); use 1 to switch nucleus sampling off.")
     decode.mode_ok(settings.compile)
@@ -335,14 +373,18 @@ def _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, 
     valid = torch.arange(C, device=tokens.device)[None, :] < lengths[:, None]  # [N, C]
     comp = tokens[:, :C].masked_fill(~valid, pad_id)  # [N, C]
     prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # [N, P]
-    texts = tokenizer.batch_decode([row[:l] for row, l in zip(comp.tolist(), lengths.tolist())], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [row[:l] for row, l in zip(comp.tolist(), lengths.tolist())], skip_special_tokens=True
+    )
     return Rollout(
         input_ids=torch.cat([prompt, comp], 1),  # [N, P + C]
         attention_mask=torch.cat([prompt_mask, valid.long()], 1),  # [N, P + C]
         completion_mask=torch.cat([torch.zeros_like(prompt_mask), valid.long()], 1),  # [N, P + C]
-        sample_logps=torch.cat([torch.zeros_like(prompt, dtype=torch.float32), logps[:, :C].masked_fill(~valid, 0.0)], 1),  # [N, P + C]
+        sample_logps=torch.cat(
+            [torch.zeros_like(prompt, dtype=torch.float32), logps[:, :C].masked_fill(~valid, 0.0)], 1
+        ),  # [N, P + C]
         truncated=~ended,
         completion_lengths=lengths,
-        completions=[x[: e] if (e := _first_stop(x, stops)) >= 0 else x for x in texts],
+        completions=[x[:e] if (e := _first_stop(x, stops)) >= 0 else x for x in texts],
         prompt_index=torch.arange(N, device=tokens.device) // G,
     )

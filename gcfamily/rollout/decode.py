@@ -54,7 +54,9 @@ class _SlotLayer(CacheLayerMixin):
         self.slot, self.slots = slot, slots
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # buffers come from the decoder
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:  # buffers come from the decoder
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -81,8 +83,9 @@ def mode_ok(mode: str) -> str:
 def why_not(model: torch.nn.Module) -> str | None:
     """Why this model cannot take the static decode exactly (a phrase), or None when it can."""
     config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None) or (["sliding_attention"] * config.num_hidden_layers
-                                                     if getattr(config, "sliding_window", None) else None)
+    types = getattr(config, "layer_types", None) or (
+        ["sliding_attention"] * config.num_hidden_layers if getattr(config, "sliding_window", None) else None
+    )
     if types is not None and any(t != "full_attention" for t in types):
         return "its layers are not all full attention"
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
@@ -105,10 +108,15 @@ def compile_failed(error: BaseException, model: torch.nn.Module, mode: str) -> b
         return False
     first = (str(error).strip().splitlines() or [""])[0][:200]
     if mode == "on":
-        raise GcfError(f"rollout_compile=on, but compiling the decode step failed ({type(error).__name__}: {first}); "
-                       "set rollout_compile=off (or auto, which falls back to eager decoding).") from error
+        raise GcfError(
+            f"rollout_compile=on, but compiling the decode step failed ({type(error).__name__}: {first}); "
+            "set rollout_compile=off (or auto, which falls back to eager decoding)."
+        ) from error
     _FAILED.add(model)
-    print(f"[gcf] compiling the decode step failed ({type(error).__name__}: {first}); decoding eagerly (exact, slower).", file=sys.stderr)
+    print(
+        f"[gcf] compiling the decode step failed ({type(error).__name__}: {first}); decoding eagerly (exact, slower).",
+        file=sys.stderr,
+    )
     return True
 
 
@@ -137,9 +145,13 @@ def decoder(model: torch.nn.Module, rows: int, slots: int) -> StaticDecoder:
     return kept[key]
 
 
-def _one_token(model: torch.nn.Module, cache: Cache, cache_kw: str, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _one_token(
+    model: torch.nn.Module, cache: Cache, cache_kw: str, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """The compiled step: logits [b, V] of the next token after ids [b, 1] at positions pos [b, 1], attending where mask [b, 1, 1, S]."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{cache_kw: cache}
+    )
     return out.logits[:, -1]
 
 
@@ -174,7 +186,9 @@ class StaticDecoder:
         n, P = prompt_mask.shape
         N = n * G
         if N > self.rows or P > self.slots:  # pragma: no cover - decoder() sizes the buffers
-            raise GcfError(f"the static decoder holds {self.rows} rows of {self.slots} slots; got {N} rows of a {P}-token prompt.")
+            raise GcfError(
+                f"the static decoder holds {self.rows} rows of {self.slots} slots; got {N} rows of a {P}-token prompt."
+            )
         layers = prefill.layers
         if not self.keys:
             for layer in layers:
@@ -187,7 +201,9 @@ class StaticDecoder:
             self.cache = Cache(layers=[_SlotLayer(self.slot, self.slots) for _ in layers])
         for kb, vb, layer in zip(self.keys, self.values, layers):
             kb.zero_(), vb.zero_()  # stale slots are masked; zeros keep a masked product exactly 0
-            kb[:N].view(n, G, *kb.shape[1:])[:, :, :, :P].copy_(layer.keys[:, None])  # [n, G, H, P, D] <- [n, 1, H, P, D]
+            kb[:N].view(n, G, *kb.shape[1:])[:, :, :, :P].copy_(
+                layer.keys[:, None]
+            )  # [n, G, H, P, D] <- [n, 1, H, P, D]
             vb[:N].view(n, G, *vb.shape[1:])[:, :, :, :P].copy_(layer.values[:, None])
         self.mask.zero_()
         self.mask[:N, 0, 0, :P] = prompt_mask.bool().repeat_interleave(G, 0)

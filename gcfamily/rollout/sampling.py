@@ -31,7 +31,6 @@ class SamplingSettings:
     after it (the stop string is kept, as its tokens are in completion_mask)."""
 
 
-
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Index [B, 1] drawn from each row of non-negative `weights` [B, K] by the uniforms `u` [B, 1].
 

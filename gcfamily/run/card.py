@@ -42,9 +42,11 @@ def write_model_card(out_dir: Path, config: dict, metrics: list[dict], base_mode
 
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {out_dir.name or name}", ""]
     source, formula = (str(method_info.get(k) or "n/a").rstrip(". ") for k in ("data_source", "gc_formula"))
-    about = (f"This model was trained with gcfamily's `{name}` from `{base_model}`"
-             f"{' as a LoRA adapter' if has_adapter else ''}. "
-             f"Its training data: {source}. Its per-token gradient coefficient: {formula}.")
+    about = (
+        f"This model was trained with gcfamily's `{name}` from `{base_model}`"
+        f"{' as a LoRA adapter' if has_adapter else ''}. "
+        f"Its training data: {source}. Its per-token gradient coefficient: {formula}."
+    )
     lines += [about, ""]
     lines += [f"- **Data:** {_data(config)}"]
     if _on_policy(method_info):
@@ -196,14 +198,22 @@ def _final_metrics(metrics: list[dict]) -> list[tuple[str, ...]]:
 
 
 def _load_snippet(out_dir: Path, base_model: str, has_adapter: bool) -> list[str]:
-    lines = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f"model = AutoModelForCausalLM.from_pretrained({json.dumps(str(out_dir))})",
-             f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(str(out_dir))})"]
+    lines = [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"model = AutoModelForCausalLM.from_pretrained({json.dumps(str(out_dir))})",
+        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(str(out_dir))})",
+    ]
     if has_adapter:
-        lines += ["", "# or, explicitly, the LoRA adapter on its base model (needs peft)",
-                  "from peft import PeftModel", "",
-                  f"base = AutoModelForCausalLM.from_pretrained({json.dumps(str(base_model))})",
-                  f"model = PeftModel.from_pretrained(base, {json.dumps(str(out_dir))})"]
+        lines += [
+            "",
+            "# or, explicitly, the LoRA adapter on its base model (needs peft)",
+            "from peft import PeftModel",
+            "",
+            f"base = AutoModelForCausalLM.from_pretrained({json.dumps(str(base_model))})",
+            f"model = PeftModel.from_pretrained(base, {json.dumps(str(out_dir))})",
+        ]
     return lines + ["```"]
 
 

@@ -69,8 +69,15 @@ def _flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep_last: int = 2, keys: set[str] | None = None,
-         extras: Callable[[Path], None] | None = None) -> Path:
+def save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    keep_last: int = 2,
+    keys: set[str] | None = None,
+    extras: Callable[[Path], None] | None = None,
+) -> Path:
     """Write checkpoint `root/step-{step}` atomically and prune to the newest keep_last.
 
     `keys` limits the weights written to those names (LoRA: the adapters; the frozen base is --model's).
@@ -81,7 +88,9 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
         weights = {k: v for k, v in weights.items() if k in keys}
     for k, v in weights.items():
         if v.is_floating_point() and not torch.isfinite(v).all():
-            raise GcfError(f"Refusing to write a checkpoint with non-finite weights ({k}); the last good checkpoint is kept.")
+            raise GcfError(
+                f"Refusing to write a checkpoint with non-finite weights ({k}); the last good checkpoint is kept."
+            )
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     try:  # every write, up to the rename: a full disk or a lost permission at any of them leaves the earlier checkpoints as they were
@@ -104,9 +113,14 @@ def save(root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], k
     except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
         shutil.rmtree(tmp, ignore_errors=True)
         last = complete_checkpoints(root)
-        kept = (f"the checkpoint of step {last[-1].name[5:]} is intact: free some disk space (or lower keep_last) and continue with --resume"
-                if last else "no checkpoint of this run was saved, so its steps are lost: free some disk space and run it again")
-        raise GcfError(f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); {kept}.") from e
+        kept = (
+            f"the checkpoint of step {last[-1].name[5:]} is intact: free some disk space (or lower keep_last) and continue with --resume"
+            if last
+            else "no checkpoint of this run was saved, so its steps are lost: free some disk space and run it again"
+        )
+        raise GcfError(
+            f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); {kept}."
+        ) from e
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -182,13 +196,19 @@ def find(resume: str, run_dir: Path) -> Path:
     if not latest and (p / MARKER).is_file():
         why = damage(p)
         if why:
-            raise GcfError(f"Checkpoint {p} is damaged ({why}); resume from another checkpoint or from the run folder (the newest intact one is taken).")
+            raise GcfError(
+                f"Checkpoint {p} is damaged ({why}); resume from another checkpoint or from the run folder (the newest intact one is taken)."
+            )
         return p
     found = complete_checkpoints(p / "checkpoints") or complete_checkpoints(p)
     if not found:
         if latest:
-            raise GcfError(f"No complete checkpoint in {run_dir / 'checkpoints'} to resume from; start without --resume.")
-        raise GcfError(f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N.")
+            raise GcfError(
+                f"No complete checkpoint in {run_dir / 'checkpoints'} to resume from; start without --resume."
+            )
+        raise GcfError(
+            f"--resume {resume} is not a checkpoint (no folder with a {MARKER} marker); pass a run folder or one of its checkpoints/step-N."
+        )
     for path in reversed(found):
         why = damage(path)
         if why is None:
@@ -202,19 +222,29 @@ def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> di
     try:
         weights = load_file(str(path / "model.safetensors"))
     except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
-        raise GcfError(f"Checkpoint {path} has an unreadable model.safetensors ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint.") from e
+        raise GcfError(
+            f"Checkpoint {path} has an unreadable model.safetensors ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint."
+        ) from e
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # shapes that differ: a checkpoint of another architecture or size
         first = str(e).strip().splitlines()
-        raise GcfError(f"Checkpoint {path} does not fit this model ({(first[1] if len(first) > 1 else first[0]).strip()[:240]}); "
-                       "resume with the --model and settings the run started with.") from e
+        raise GcfError(
+            f"Checkpoint {path} does not fit this model ({(first[1] if len(first) > 1 else first[0]).strip()[:240]}); "
+            "resume with the --model and settings the run started with."
+        ) from e
     if keys is not None:
         missing = [k for k in keys if k not in weights]
-    tied = {k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)}
+    tied = {
+        k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)
+    }
     if unexpected or set(missing) - tied:
-        raise GcfError(f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}).")
+        raise GcfError(
+            f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})."
+        )
     try:
         return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
     except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it without running it)
-        raise GcfError(f"Checkpoint {path} has an unreadable state.pt ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint.") from e
+        raise GcfError(
+            f"Checkpoint {path} has an unreadable state.pt ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint."
+        ) from e

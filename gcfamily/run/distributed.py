@@ -40,7 +40,13 @@ from gcfamily.core import precision
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
 
-SUM_METRICS = ("loss", "tokens", "tokens/generated", "train_tokens_per_s", "reward/failed")  # each rank holds a share: add them
+SUM_METRICS = (
+    "loss",
+    "tokens",
+    "tokens/generated",
+    "train_tokens_per_s",
+    "reward/failed",
+)  # each rank holds a share: add them
 MAX_PREFIXES = ("time/", "peak_memory_mb")  # the slowest / largest rank is the one that matters
 
 
@@ -51,12 +57,16 @@ MAX_PREFIXES = ("time/", "peak_memory_mb")  # the slowest / largest rank is the 
 def check_batch_size(batch_size: int, world_size: int) -> None:
     """batch_size is the global number of examples per step: each rank takes an equal share."""
     if batch_size % world_size:
-        raise GcfError(f"batch_size={batch_size} is the global number of examples per step and must divide evenly over {world_size} processes; pick a multiple of {world_size}.")
+        raise GcfError(
+            f"batch_size={batch_size} is the global number of examples per step and must divide evenly over {world_size} processes; pick a multiple of {world_size}."
+        )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: the classes HF lists in `_no_split_modules`."""
-    names = {n for sub in model.modules() for n in (getattr(sub, "_no_split_modules", None) or [])}  # a critic holds a backbone
+    names = {
+        n for sub in model.modules() for n in (getattr(sub, "_no_split_modules", None) or [])
+    }  # a critic holds a backbone
     layers = [m for m in model.modules() if type(m).__name__ in names]
     return layers or (list(getattr(model.get_decoder(), "layers", [])) if hasattr(model, "get_decoder") else [])
 
@@ -83,14 +93,20 @@ class DistEnv:
             raise GcfError(f"device={device} was asked for but no CUDA GPU is available; use device=cpu.")
         use_cuda = torch.cuda.is_available() and device != "cpu"
         if use_cuda and local_rank >= torch.cuda.device_count():
-            raise GcfError(f"{int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1))} processes on this machine but {torch.cuda.device_count()} GPU(s): start one process per GPU (--nproc / --nproc_per_node), or set device=cpu.")
+            raise GcfError(
+                f"{int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1))} processes on this machine but {torch.cuda.device_count()} GPU(s): start one process per GPU (--nproc / --nproc_per_node), or set device=cpu."
+            )
         dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(dev)
         if not dist.is_initialized():
             import datetime
 
-            dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                device_id=dev if use_cuda else None,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         return cls(rank, world, local_rank, dev)
 
     @property
@@ -143,7 +159,11 @@ class DistEnv:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32) if self.compute_dtype else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.compute_dtype
+            else MixedPrecisionPolicy()
+        )
         return mesh, mp
 
     def _shard_trained(self, module: nn.Module, owner: Any) -> None:
@@ -155,7 +175,9 @@ class DistEnv:
 
         mesh, mp = self._mesh_and_precision()
         old = dict(module.named_parameters())
-        for layer in decoder_layers(module):  # every group frees its parameters after forward: the critic is called whole
+        for layer in decoder_layers(
+            module
+        ):  # every group frees its parameters after forward: the critic is called whole
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         new = dict(module.named_parameters())
@@ -169,8 +191,12 @@ class DistEnv:
             for p, st in list(opt.state.items()):
                 if id(p) in swap:
                     q = swap[id(p)]
-                    opt.state[q] = {k: distribute_tensor(v.to(self.device), q.device_mesh, q.placements) if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape else v
-                                    for k, v in st.items()}
+                    opt.state[q] = {
+                        k: distribute_tensor(v.to(self.device), q.device_mesh, q.placements)
+                        if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape
+                        else v
+                        for k, v in st.items()
+                    }
                     del opt.state[p]
 
     def _shard(self, root: LogprobModel) -> LogprobModel:
@@ -224,7 +250,9 @@ class DistEnv:
         finally:
             for m in mods:
                 m.reshard()
-                m.set_reshard_after_forward(m is not model, recurse=False)  # layers free after forward; the root keeps its params for backward
+                m.set_reshard_after_forward(
+                    m is not model, recurse=False
+                )  # layers free after forward; the root keeps its params for backward
 
     # -- the step ------------------------------------------------------------------------
     def all_finite(self, loss: float, params: list[nn.Parameter]) -> bool:
@@ -306,16 +334,31 @@ class DistEnv:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         weights = self.full_state_dict(trainer.unwrapped_policy())
-        optim = get_optimizer_state_dict(trainer.policy, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        optim = get_optimizer_state_dict(
+            trainer.policy, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         method_state = _full(trainer.method.state_dict())
         rngs: list[Any] = [None] * self.world_size
         dist.all_gather_object(rngs, checkpoint.rng_state(trainer.generator))
         path = None
         if self.is_main:
-            state = {**trainer.training_state(), "optimizer": optim, "method": method_state, "rank_rng": rngs, "strategy": self.strategy}
+            state = {
+                **trainer.training_state(),
+                "optimizer": optim,
+                "method": method_state,
+                "rank_rng": rngs,
+                "strategy": self.strategy,
+            }
             as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint.save reads of a model
-            path = checkpoint.save(trainer.out_dir / "checkpoints", trainer.step, as_model, state, trainer.cfg.keep_last, trainer.weight_keys(),
-                                   trainer.checkpoint_extras())
+            path = checkpoint.save(
+                trainer.out_dir / "checkpoints",
+                trainer.step,
+                as_model,
+                state,
+                trainer.cfg.keep_last,
+                trainer.weight_keys(),
+                trainer.checkpoint_extras(),
+            )
         dist.barrier()
         return path
 

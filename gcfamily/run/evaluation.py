@@ -17,8 +17,17 @@ from gcfamily.errors import GcfError
 class Evaluation:
     """Training rows, validation rows and held-out evaluation."""
 
-    def __init__(self, cfg: Any, method_cls: type, formatter: Any, dataset: Any, eval_dataset: Any, rewards: Optional[list],
-                 out_dir: Path, is_main: bool) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        method_cls: type,
+        formatter: Any,
+        dataset: Any,
+        eval_dataset: Any,
+        rewards: Optional[list],
+        out_dir: Path,
+        is_main: bool,
+    ) -> None:
         self.cfg, self.method_cls, self.formatter = cfg, method_cls, formatter
         self.dataset, self.eval_dataset, self.rewards = dataset, eval_dataset, rewards
         self.out_dir, self.is_main = out_dir, is_main
@@ -37,27 +46,41 @@ class Evaluation:
                 held = {str(r["prompt"]) for r in self.validation_rows()}
                 rows = [r for r in rows if str(r["prompt"]) not in held]
                 if not rows:
-                    raise GcfError(f"validation_rows={cfg.validation_rows} leaves no training rows of task {cfg.task}; lower it.")
+                    raise GcfError(
+                        f"validation_rows={cfg.validation_rows} leaves no training rows of task {cfg.task}; lower it."
+                    )
             return rows
-        raise GcfError(f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME.")
+        raise GcfError(
+            f"{cfg.method} needs data: pass --dataset (a file, a save_to_disk folder or a hub id) or --task NAME."
+        )
 
     def validation_rows(self) -> list[dict[str, Any]]:
         """The last validation_rows rows of the task's train split (never trained on when validation_rows > 0)."""
         train = self.task.rows("train")
         if self.cfg.validation_rows >= len(train):
-            raise GcfError(f"validation_rows={self.cfg.validation_rows} is not smaller than task {self.cfg.task}'s {len(train)} training rows; lower it.")
-        return train[len(train) - self.cfg.validation_rows:]
+            raise GcfError(
+                f"validation_rows={self.cfg.validation_rows} is not smaller than task {self.cfg.task}'s {len(train)} training rows; lower it."
+            )
+        return train[len(train) - self.cfg.validation_rows :]
 
     def _load_task(self) -> Any:
-        if self.cfg.task is None or self.dataset is not None:  # a dataset replaces the task: its accuracy is never reported
+        if (
+            self.cfg.task is None or self.dataset is not None
+        ):  # a dataset replaces the task: its accuracy is never reported
             return None
         from gcfamily.tasks import get_task
 
         seed = self.cfg.seed if self.cfg.task_seed is None else self.cfg.task_seed
         return get_task(self.cfg.task, seed=seed, **self.cfg.task_options)
 
-    def evaluate(self, policy: Any, method: Any, step: int, gathered: contextlib.AbstractContextManager,
-                 autocast: contextlib.AbstractContextManager) -> dict[str, float]:
+    def evaluate(
+        self,
+        policy: Any,
+        method: Any,
+        step: int,
+        gathered: contextlib.AbstractContextManager,
+        autocast: contextlib.AbstractContextManager,
+    ) -> dict[str, float]:
         """Greedy held-out figures of `policy` (the plain model; `gathered` holds its whole parameters under FSDP2):
         on eval_dataset, its mean reward (and accuracy where rows carry an answer); else on the task, its accuracy.
         Nothing when neither exists or the method trains no policy."""
@@ -70,11 +93,25 @@ class Evaluation:
         details: list[dict[str, Any]] = []
         with gathered, autocast:
             if self.eval_dataset is not None:
-                out = evaluate_rows(policy, self.formatter, self.eval_rows(), self.eval_reward(method), cfg.max_new_tokens, n=cfg.eval_samples, details=details)
+                out = evaluate_rows(
+                    policy,
+                    self.formatter,
+                    self.eval_rows(),
+                    self.eval_reward(method),
+                    cfg.max_new_tokens,
+                    n=cfg.eval_samples,
+                    details=details,
+                )
             else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
                 validation = bool(cfg.validation_rows)  # then the test split is never read
-                rows = self.validation_rows()[: cfg.eval_samples] if validation else self.task.heldout_rows(cfg.eval_samples)
-                out = evaluate_rows(policy, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details)
+                rows = (
+                    self.validation_rows()[: cfg.eval_samples]
+                    if validation
+                    else self.task.heldout_rows(cfg.eval_samples)
+                )
+                out = evaluate_rows(
+                    policy, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details
+                )
                 out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
         policy.train(was_training)
         if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
@@ -89,12 +126,16 @@ class Evaluation:
         if not wanted or not method.trains_policy:
             return
         if self.eval_dataset is None and self.dataset is not None:
-            raise GcfError("Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
-                           "and a --reward; a built-in task's accuracy is never reported for it.")
+            raise GcfError(
+                "Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
+                "and a --reward; a built-in task's accuracy is never reported for it."
+            )
         if self.eval_dataset is not None:
             from gcfamily.data.formats import encode
 
-            encode("prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")  # its format, now rather than after training
+            encode(
+                "prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation"
+            )  # its format, now rather than after training
             self.eval_reward(method)
 
     def eval_rows(self) -> list[dict[str, Any]]:
@@ -112,6 +153,8 @@ class Evaluation:
 
             specs = list(self.rewards) if self.rewards is not None else reward_specs(self.cfg.reward)
             if not specs:
-                raise GcfError("Evaluating on eval_dataset needs a reward to score completions with: pass --reward (e.g. numeric).")
+                raise GcfError(
+                    "Evaluating on eval_dataset needs a reward to score completions with: pass --reward (e.g. numeric)."
+                )
             fn = self._eval_reward_fn = Rewards.from_specs(specs, self.cfg.reward_weights, self.cfg.reward_timeout)
         return fn

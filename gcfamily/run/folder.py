@@ -53,7 +53,9 @@ class RunFolder:
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise GcfError(f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir.") from e
+                raise GcfError(
+                    f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir."
+                ) from e
             runfolder.check_writable(out, 0)
             runfolder.say(self.lock.acquire())
             try:
@@ -73,14 +75,19 @@ class RunFolder:
         if resume is None and cfg.overwrite:
             removed = runfolder.clear_previous_run(out)
             if removed:
-                print(f"note: --overwrite removed the previous contents of {out} ({', '.join(removed[:5])}{', ...' if len(removed) > 5 else ''}).", file=sys.stderr)
+                print(
+                    f"note: --overwrite removed the previous contents of {out} ({', '.join(removed[:5])}{', ...' if len(removed) > 5 else ''}).",
+                    file=sys.stderr,
+                )
         runfolder.clean_partial_checkpoints(out)
         record = to_dict(cfg)
         if resume is not None:
             path = checkpoint.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
             change = runfolder.check_resume(out, record, cfg.allow_changed_settings, step)
-            record["changes"] = (saved.get("changes") or []) + ([{"step": step, "changed": change["changed"]}] if change else [])
+            record["changes"] = (saved.get("changes") or []) + (
+                [{"step": step, "changed": change["changed"]}] if change else []
+            )
             if step is not None:
                 runfolder.truncate_logs(out, step)
         (out / "run_config.json").write_text(json.dumps(record, indent=2))

@@ -50,13 +50,21 @@ def launch(nproc: int, argv: list[str]) -> int:
             return code
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # -N: killed by signal N
-        how = f"was killed by {signal_name(-failure.exitcode)}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}; its output is above"
+        how = (
+            f"was killed by {signal_name(-failure.exitcode)}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode}; its output is above"
+        )
         print(f"error: process {rank} of {nproc} {how}.", file=sys.stderr)
         return code
     except SignalException as e:  # torchrun passed the signal on and waited for the processes
         message = first_error(Path(err_dir))  # theirs: stopped at step N, checkpoint saved
         name = signal.Signals(e.sigval).name
-        code, text = message if message is not None else (128 + int(e.sigval), f"Stopped by {name}; the processes were stopped too.")
+        code, text = (
+            message
+            if message is not None
+            else (128 + int(e.sigval), f"Stopped by {name}; the processes were stopped too.")
+        )
         print(f"error: {text}", file=sys.stderr)
         return code
     finally:
@@ -114,7 +122,9 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
         trainer = Trainer(cfg, resume=resume, dist_env=env)
         out = trainer.run()
         if env.is_main:
-            print(f"done: {trainer.step} steps on {env.world_size} processes ({cfg.strategy}); model and metrics in {out}")
+            print(
+                f"done: {trainer.step} steps on {env.world_size} processes ({cfg.strategy}); model and metrics in {out}"
+            )
     except GcfError as e:
         code = getattr(e, "exit_code", 2)
         err_dir = os.environ.get(ERROR_DIR_ENV)
@@ -126,7 +136,10 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
     except RuntimeError as e:  # another rank died (killed, crashed): its own output says why
         if not peer_lost(e):
             raise
-        print(f"error: process {rank} lost its connection to another process, which stopped first; that process's output says why.", file=sys.stderr)
+        print(
+            f"error: process {rank} lost its connection to another process, which stopped first; that process's output says why.",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
     finally:
         if env is not None:

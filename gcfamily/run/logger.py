@@ -32,9 +32,7 @@ def _trackers(report_to: str | list[str] | tuple[str, ...]) -> set[str]:
 
 def _import_wandb() -> Any:
     """wandb, or the one-sentence fix when it is not installed."""
-    missing = GcfError(
-        "report_to=wandb needs the wandb package: pip install 'gcfamily[wandb]' (or pip install wandb)."
-    )
+    missing = GcfError("report_to=wandb needs the wandb package: pip install 'gcfamily[wandb]' (or pip install wandb).")
     if importlib.util.find_spec("wandb") is None:
         raise missing
     try:
@@ -80,8 +78,7 @@ def completions_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
         return v if v is None or isinstance(v, (str, int, float, bool)) else json.dumps(v, default=str)
 
     data = [
-        [prompt_text(r["prompt"]), r["completion"], r.get("reward")] + [cell(r.get(k)) for k in extra]
-        for r in rows
+        [prompt_text(r["prompt"]), r["completion"], r.get("reward")] + [cell(r.get(k)) for k in extra] for r in rows
     ]
     return fixed + extra, data
 

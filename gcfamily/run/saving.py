@@ -30,11 +30,20 @@ class Saving:
             return self.dist.save_checkpoint(run)
         if not self.is_main:
             return None
-        return checkpoint.save(self.out_dir / "checkpoints", run.step, run.unwrapped_policy(), run.training_state(), self.cfg.keep_last,
-                               run.weight_keys(), self.checkpoint_extras(run.unwrapped_policy(), run.tokenizer, run.weight_keys()))
+        return checkpoint.save(
+            self.out_dir / "checkpoints",
+            run.step,
+            run.unwrapped_policy(),
+            run.training_state(),
+            self.cfg.keep_last,
+            run.weight_keys(),
+            self.checkpoint_extras(run.unwrapped_policy(), run.tokenizer, run.weight_keys()),
+        )
 
     @staticmethod
-    def checkpoint_extras(model: Any, tokenizer: Any, weight_keys: Optional[set[str]]) -> Optional[Callable[[Path], None]]:
+    def checkpoint_extras(
+        model: Any, tokenizer: Any, weight_keys: Optional[set[str]]
+    ) -> Optional[Callable[[Path], None]]:
         """What makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer (LoRA ones hold only adapters)."""
         if weight_keys is not None:
             return None
@@ -75,7 +84,12 @@ class Saving:
         from gcfamily.run.logger import read_metrics
 
         m = method
-        info = {"name": self.cfg.method, "data_source": m.data_source, "gc_formula": m.gc_formula, "on_policy": isinstance(m, OnPolicy)}
+        info = {
+            "name": self.cfg.method,
+            "data_source": m.data_source,
+            "gc_formula": m.gc_formula,
+            "on_policy": isinstance(m, OnPolicy),
+        }
         write_model_card(self.out_dir, to_dict(self.cfg), read_metrics(self.out_dir), self.cfg.model, info)
 
     def summary(self, step: int, seconds: float) -> str:

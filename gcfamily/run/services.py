@@ -74,9 +74,13 @@ class RunServices(LocalServices):
 
     def logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
         t, cfg = self._trainer, self._trainer.cfg
-        model = t.dist.logprob_module(model) if t.dist is not None else model  # an FSDP2-sharded model runs through its root
+        model = (
+            t.dist.logprob_module(model) if t.dist is not None else model
+        )  # an FSDP2-sharded model runs through its root
         with t.autocast():
-            return engine.batch_logprobs(model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, t.device)
+            return engine.batch_logprobs(
+                model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, t.device
+            )
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingSettings) -> Rollout:
         t = self._trainer
@@ -84,7 +88,9 @@ class RunServices(LocalServices):
         was_training = policy.training
         policy.eval()
         try:
-            with t.dist.full_parameters(t.policy) if t.dist is not None else contextlib.nullcontext():  # FSDP2: gathered, then freed
+            with (
+                t.dist.full_parameters(t.policy) if t.dist is not None else contextlib.nullcontext()
+            ):  # FSDP2: gathered, then freed
                 return generate(policy, t.tokenizer, prompt_ids, group_size, sampling, t.generator)
         finally:
             policy.train(was_training)
@@ -94,11 +100,19 @@ class RunServices(LocalServices):
         return self._trainer.dist.all_sum(tensor) if self._trainer.dist is not None else tensor
 
     def all_finite(self, params: list[torch.Tensor]) -> bool:
-        return self._trainer.dist.all_finite(0.0, params) if self._trainer.dist is not None else engine.grads_finite(params)
+        return (
+            self._trainer.dist.all_finite(0.0, params)
+            if self._trainer.dist is not None
+            else engine.grads_finite(params)
+        )
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         dist = self._trainer.dist
-        return dist.clip_grad_norm_(params, max_norm) if dist is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return (
+            dist.clip_grad_norm_(params, max_norm)
+            if dist is not None
+            else torch.nn.utils.clip_grad_norm_(params, max_norm)
+        )
 
     def stop_requested(self) -> bool:
         return self._trainer.stop_signal is not None

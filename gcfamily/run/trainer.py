@@ -18,7 +18,7 @@ import torch
 from gcfamily.core import engine, onednn, precision
 from gcfamily.models import lora
 from gcfamily.config import Config, resolve_settings, to_dict
-from gcfamily.config.checks import validate
+from gcfamily.config import validate
 from gcfamily.data.batches import split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.data.formats import Formatter
@@ -59,8 +59,18 @@ class Trainer:
     evaluations, and its saving as objects (gcfamily/run/folder.py, evaluation.py, saving.py), and gives the method its
     Services (gcfamily/run/services.py)."""
 
-    def __init__(self, cfg: Config, resume: Optional[str] = None, dist_env: Any = None, *, method: Optional[type] = None,
-                 model: Any = None, dataset: Any = None, eval_dataset: Any = None, rewards: Optional[list] = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        resume: Optional[str] = None,
+        dist_env: Any = None,
+        *,
+        method: Optional[type] = None,
+        model: Any = None,
+        dataset: Any = None,
+        eval_dataset: Any = None,
+        rewards: Optional[list] = None,
+    ) -> None:
         """Objects from Python (gcfamily.api.train) ride beside cfg: a Method class, a (model, tokenizer) pair,
         a Dataset or list of rows, reward functions; cfg then records their names."""
         validate(cfg)
@@ -103,30 +113,55 @@ class Trainer:
 
             self.policy, self.tokenizer = adopt_model(model, self.dtype, self.device)
         else:
-            self.policy, self.tokenizer = load_model(cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed)
-        self.formatter = Formatter(self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
-        ctx = context_length(self.policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
+            self.policy, self.tokenizer = load_model(
+                cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed
+            )
+        self.formatter = Formatter(
+            self.tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template
+        )
+        ctx = context_length(
+            self.policy
+        )  # also for hub models and models passed from Python, which the CLI cannot read ahead
         if ctx is not None and cfg.max_length > ctx:
-            raise GcfError(f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}.")
+            raise GcfError(
+                f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}."
+            )
         if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
             self.policy = lora.wrap(self.policy, cfg)
         precision.check_master(self.policy.parameters(), self.precision, f"The model {cfg.model}")
-        self.evaluation = Evaluation(cfg, self.method_cls, self.formatter, self.dataset, self.eval_dataset, self.rewards, self.out_dir, self.is_main)
+        self.evaluation = Evaluation(
+            cfg,
+            self.method_cls,
+            self.formatter,
+            self.dataset,
+            self.eval_dataset,
+            self.rewards,
+            self.out_dir,
+            self.is_main,
+        )
         self.task = self.evaluation.task
         self.method: Method = self.method_cls(cfg)
         self.services = RunServices(self)
         self.method.setup(self.services)  # may load a reference or a critic from the untouched policy
         self.evaluation.check(self.method)
         self.folder.check_room(self.policy)
-        state = self.saving.load_checkpoint(resume_path, self.unwrapped_policy(), self.weight_keys(), self.method) if resume_path is not None else None
+        state = (
+            self.saving.load_checkpoint(resume_path, self.unwrapped_policy(), self.weight_keys(), self.method)
+            if resume_path is not None
+            else None
+        )
         if cfg.activation_checkpointing and hasattr(self.policy, "gradient_checkpointing_enable"):
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if dist_env is not None:
             self.policy = dist_env.wrap(self.policy, cfg, self.method)
         self.policy.train()
-        self.optimizer = engine.build_optimizer(self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
+        self.optimizer = engine.build_optimizer(
+            self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas)
+        )
         total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio)
+        )
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -138,7 +173,9 @@ class Trainer:
             self._restore(state)
             if self.folder.change is not None:
                 apply_changed_settings(cfg, self.optimizer, self.scheduler, total)
-        self.logger = RunLogger(self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg))
+        self.logger = RunLogger(
+            self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg)
+        )
         self.saving.logger = self.logger
         if self.folder.change is not None:
             self.logger.log(self.step, {"settings_changed": 1.0})
@@ -147,9 +184,16 @@ class Trainer:
     def training_state(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs."""
         return {
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(self.generator), "method": self.method.state_dict(),
-            "skipped_steps": self.skipped_steps, "bad_steps": self.bad_steps, "elapsed_s": self.elapsed_s, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(self.generator),
+            "method": self.method.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "bad_steps": self.bad_steps,
+            "elapsed_s": self.elapsed_s,
+            "tokens_seen": self.tokens_seen,
+            "flops_seen": self.flops_seen,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -175,7 +219,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """The held-out figures of the policy now (Evaluation.evaluate)."""
-        return self.evaluation.evaluate(self.unwrapped_policy(), self.method, self.step, self.full_parameters(), self.autocast())
+        return self.evaluation.evaluate(
+            self.unwrapped_policy(), self.method, self.step, self.full_parameters(), self.autocast()
+        )
 
     def summary(self) -> str:
         """The console's closing lines (Saving.summary)."""
@@ -205,11 +251,23 @@ class Trainer:
         for i, mb in enumerate(mbs):
             host = tuple(mb.pop(f"host_{k}") for k in _HOST)
             mb = to_device(mb, self.device)
-            sync = self.dist.no_sync(self.policy) if self.dist is not None and i < len(mbs) - 1 else contextlib.nullcontext()
+            sync = (
+                self.dist.no_sync(self.policy)
+                if self.dist is not None and i < len(mbs) - 1
+                else contextlib.nullcontext()
+            )
             with sync:
                 with self.autocast():
-                    out = engine.token_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], m.logprob_temperature(),
-                                                cfg.chunk_size, cfg.share_prefix, host)
+                    out = engine.token_logprobs(
+                        self.policy,
+                        mb["input_ids"],
+                        mb["attention_mask"],
+                        mb["loss_mask"],
+                        m.logprob_temperature(),
+                        cfg.chunk_size,
+                        cfg.share_prefix,
+                        host,
+                    )
                     coef = m.coefficient(mb, out.logps.detach())  # [B, L]
                     loss = engine.weighted_loss(coef, out.logps, mb, m.norm, Z)
                 (loss * scale).backward()
@@ -219,12 +277,21 @@ class Trainer:
             if self.device.type == "cpu":  # this micro-batch's activations are freed: hand their pages back before the
                 del out, coef, loss  # next one, of another length, allocates its own (SmolLM2-135M LoRA GRPO peak RSS
                 release_free_heap()  # 2,477 -> 2,255 MB, benchmarks/results-memory-cpu.txt); only free memory goes
-        loss_total = float(torch.stack([d[4].double() for d in done]).sum()) if done else 0.0  # the step's first host sync
+        loss_total = (
+            float(torch.stack([d[4].double() for d in done]).sum()) if done else 0.0
+        )  # the step's first host sync
         for mb, logps, entropy, coef, _, m_aux in done:
             mask = engine.effective_mask(mb)
             k = int(mask.sum())
             n_tok += k
-            for stats in ({**gc_stats(coef, mask), "entropy": float((entropy * mask).sum()) / max(k, 1), **m.metrics(mb, logps, coef)}, m_aux):
+            for stats in (
+                {
+                    **gc_stats(coef, mask),
+                    "entropy": float((entropy * mask).sum()) / max(k, 1),
+                    **m.metrics(mb, logps, coef),
+                },
+                m_aux,
+            ):
                 for key, v in stats.items():
                     sums[key] = sums.get(key, 0.0) + v * max(k, 1)
         weight = sum(max(int(engine.effective_mask(d[0]).sum()), 1) for d in done)
@@ -233,16 +300,24 @@ class Trainer:
         metrics = {k: v / weight for k, v in sums.items()}
         metrics.update(m.auxiliary_step_end())  # a second model (PPO's critic) steps once per optimizer step
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        finite = math.isfinite(loss_total) and engine.grads_finite(params) if self.dist is None else self.dist.all_finite(loss_total, params)
+        finite = (
+            math.isfinite(loss_total) and engine.grads_finite(params)
+            if self.dist is None
+            else self.dist.all_finite(loss_total, params)
+        )
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
             self.skipped_steps += 1
             if self.bad_steps >= cfg.max_bad_steps:
-                raise GcfError(f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data).")
+                raise GcfError(
+                    f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data)."
+                )
             return {"loss": float("nan"), "skipped": 1.0, **metrics}
         self.bad_steps = 0
-        clip = torch.nn.utils.clip_grad_norm_ if self.dist is None else self.dist.clip_grad_norm_  # FSDP2: the norm over every shard
+        clip = (
+            torch.nn.utils.clip_grad_norm_ if self.dist is None else self.dist.clip_grad_norm_
+        )  # FSDP2: the norm over every shard
         gn = clip(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
@@ -273,7 +348,10 @@ class Trainer:
         agg: dict[str, list[float]] = {}
         for _ in range(m.inner_epochs()):
             for s in range(0, B, per):
-                part = {k: (v[s : s + per] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v) for k, v in batch.items()}
+                part = {
+                    k: (v[s : s + per] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v)
+                    for k, v in batch.items()
+                }
                 for k, v in self.optimizer_step(part).items():
                     agg.setdefault(k, []).append(v)
         out = {k: (sum(v) if k == "tokens" else sum(v) / len(v)) for k, v in agg.items()}
@@ -293,8 +371,7 @@ class Trainer:
             if cfg.eval_at_ends and self.step == 0:
                 self.logger.log(0, self.evaluate())
             while self.step < cfg.max_steps and not self.budget_spent():
-                t0 = time.perf_counter()
-                batch, stats = self.collect()
+                batch, stats, t0 = self.collect()
                 metrics = self.train_step(batch)
                 self.step += 1
                 metrics.update(self.method.after_step(self.step))
@@ -305,22 +382,29 @@ class Trainer:
             self.finish()
         return self.out_dir
 
-    def collect(self) -> tuple[Batch, dict[str, float]]:
+    def collect(self) -> tuple[Batch, dict[str, float], float]:
         """This step's batch from the method's data source, prepared (rewards, advantages, pi_old/pi_ref), with the
-        statistics the method returned and the two phases' times."""
+        statistics the method returned and the two phases' times, and the clock at the step's start."""
         t0 = time.perf_counter()
         with self.autocast():  # rollouts, rewards from a model, pi_old, pi_ref and values compute like the step
             batch, stats = self.method.data(self.step)
             t1 = time.perf_counter()
             batch, more = self.method.prepare(batch)
-        return batch, {**stats, **more, "time/data_s": t1 - t0, "time/prepare_s": time.perf_counter() - t1}
+        return batch, {**stats, **more, "time/data_s": t1 - t0, "time/prepare_s": time.perf_counter() - t1}, t0
 
     def account(self, metrics: dict[str, float], stats: dict[str, float], t0: float) -> dict[str, float]:
         """The step's row of metrics (one for the whole group of processes), and the budget it used."""
         dt = time.perf_counter() - t0
         train_s = dt - stats["time/data_s"] - stats["time/prepare_s"]
-        metrics.update({"time/step_s": dt, "train_tokens_per_s": metrics.get("tokens", 0.0) / max(train_s, 1e-9),
-                        "lr": self.scheduler.get_last_lr()[0], "peak_memory_mb": peak_memory_mb(self.device), "skipped_steps": float(self.skipped_steps)})
+        metrics.update(
+            {
+                "time/step_s": dt,
+                "train_tokens_per_s": metrics.get("tokens", 0.0) / max(train_s, 1e-9),
+                "lr": self.scheduler.get_last_lr()[0],
+                "peak_memory_mb": peak_memory_mb(self.device),
+                "skipped_steps": float(self.skipped_steps),
+            }
+        )
         metrics.update({k: float(v) for k, v in stats.items()})
         metrics.setdefault(GENERATED, 0.0)  # a data source that samples reports its count (methods/base.py)
         if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
@@ -335,25 +419,39 @@ class Trainer:
         self.elapsed_s += metrics["time/step_s"]
         self.tokens_seen += metrics[GENERATED] + metrics.get("tokens", 0.0)
         self.flops_seen += self.n_params * (6 * metrics.get("tokens", 0.0) + 2 * metrics[GENERATED])
-        metrics.update({"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen})
-        if self._time_to_evaluate(before_s) and not any(k.startswith("eval/") for k in metrics):  # the reduced clock: every rank agrees
+        metrics.update(
+            {"budget/elapsed_s": self.elapsed_s, "budget/tokens": self.tokens_seen, "budget/flops": self.flops_seen}
+        )
+        if self._time_to_evaluate(before_s) and not any(
+            k.startswith("eval/") for k in metrics
+        ):  # the reduced clock: every rank agrees
             metrics.update(self.evaluate())
         return metrics
 
     def cadence(self, metrics: dict[str, float], bar: Any) -> None:
         """What happens after a step: its metrics row, the progress bar, a periodic checkpoint, a requested stop."""
         cfg = self.cfg
-        if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.budget_spent() or any(k.startswith("eval/") for k in metrics):
+        if (
+            self.step % cfg.log_every == 0
+            or self.step == cfg.max_steps
+            or self.budget_spent()
+            or any(k.startswith("eval/") for k in metrics)
+        ):
             self.logger.log(self.step, metrics)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}")
+            bar.set_postfix(
+                loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}"
+            )
         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
             self.save_checkpoint()
         if self._stop:
             self.save_checkpoint()
             code = 128 + int(getattr(signal, self._stop, signal.SIGTERM))
-            raise Interrupted(f"Stopped by {self._stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.", code)
+            raise Interrupted(
+                f"Stopped by {self._stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.",
+                code,
+            )
 
     def finish(self) -> None:
         """The last checkpoint, the final model folder and its card."""
@@ -361,8 +459,10 @@ class Trainer:
         try:
             self.saving.save_final(self.unwrapped_policy(), self.tokenizer, self.method, self)
         except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
-            raise GcfError(f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
-                           f"step {self.step} is intact: free some space and run the same command with --resume to write the model.") from e
+            raise GcfError(
+                f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
+                f"step {self.step} is intact: free some space and run the same command with --resume to write the model."
+            ) from e
         self.saving.final_saved = True
         if self.is_main:
             self.saving.write_card(self.method)
@@ -371,13 +471,20 @@ class Trainer:
         """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""
         every = self.cfg.eval_every_s
         last = self.step >= self.cfg.max_steps or self.budget_spent()
-        return bool(every) and int(self.elapsed_s // every) > int(before_s // every) and not (last and self.cfg.eval_at_ends)
+        return (
+            bool(every)
+            and int(self.elapsed_s // every) > int(before_s // every)
+            and not (last and self.cfg.eval_at_ends)
+        )
 
     def budget_spent(self) -> bool:
         """max_time, max_tokens or max_flops (when set) is used up."""
         cfg = self.cfg
-        return bool((cfg.max_time and self.elapsed_s >= cfg.max_time) or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens)
-                    or (cfg.max_flops and self.flops_seen >= cfg.max_flops))
+        return bool(
+            (cfg.max_time and self.elapsed_s >= cfg.max_time)
+            or (cfg.max_tokens and self.tokens_seen >= cfg.max_tokens)
+            or (cfg.max_flops and self.flops_seen >= cfg.max_flops)
+        )
 
     # ------------------------------------------------------------------ compute and wrappers
     def autocast(self) -> contextlib.AbstractContextManager:

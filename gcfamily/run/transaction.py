@@ -30,17 +30,59 @@ from gcfamily.errors import GcfError
 LOCK = ".gcf.lock"
 RUN_MARKERS = ("run_config.json", "metrics.jsonl", "checkpoints")
 RUN_FILES = (
-    "run_config.json", "metrics.jsonl", "completions.jsonl", "eval_details.jsonl", "tensorboard", "wandb", "checkpoints", "README.md",
-    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-    "added_tokens.json", "adapter_config.json", "adapter_model.safetensors", "adapter", "reward_model.json", "value_head.safetensors",
+    "run_config.json",
+    "metrics.jsonl",
+    "completions.jsonl",
+    "eval_details.jsonl",
+    "tensorboard",
+    "wandb",
+    "checkpoints",
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter",
+    "reward_model.json",
+    "value_head.safetensors",
 )
 """What a gcfamily run writes; --overwrite removes these (and model-*.safetensors shards), nothing else."""
 
 RESUMABLE = {
-    "output_dir", "overwrite", "progress", "log_every", "report_to", "save_every", "keep_last", "eval_every", "eval_every_s",
-    "eval_samples", "eval_at_ends", "log_completions_every", "reward_timeout", "device", "max_time", "max_tokens", "explicit",
-    "allow_changed_settings", "dist_timeout", "trust_remote_code", "save_dtype", "merge_lora", "eval_dataset", "eval_split",
+    "output_dir",
+    "overwrite",
+    "progress",
+    "log_every",
+    "report_to",
+    "save_every",
+    "keep_last",
+    "eval_every",
+    "eval_every_s",
+    "eval_samples",
+    "eval_at_ends",
+    "log_completions_every",
+    "reward_timeout",
+    "device",
+    "max_time",
+    "max_tokens",
+    "explicit",
+    "allow_changed_settings",
+    "dist_timeout",
+    "trust_remote_code",
+    "save_dtype",
+    "merge_lora",
+    "eval_dataset",
+    "eval_split",
 }
 """Settings a resume may change freely: where and how often to log, evaluate, save, and when to stop."""
 
@@ -78,15 +120,23 @@ class RunLock:
                     owner = self._owner() or {}
                 pid, host = int(owner.get("pid", -1)), str(owner.get("host", "?"))
                 if host == socket.gethostname() and pid == os.getpid():
-                    self.path.unlink(missing_ok=True)  # this process's own: a Trainer built here earlier and never run (a notebook, a test)
+                    self.path.unlink(
+                        missing_ok=True
+                    )  # this process's own: a Trainer built here earlier and never run (a notebook, a test)
                     continue
-                if (host == socket.gethostname() and pid > 0 and not _alive(pid)) or (owner.get("pid") is None and self._older_than(10)):
+                if (host == socket.gethostname() and pid > 0 and not _alive(pid)) or (
+                    owner.get("pid") is None and self._older_than(10)
+                ):
                     self.path.unlink(missing_ok=True)  # a stale lock: its process is gone
-                    note = f"note: took over the lock of a run that is gone (pid {pid} on {host}) in {self.path.parent}."
+                    note = (
+                        f"note: took over the lock of a run that is gone (pid {pid} on {host}) in {self.path.parent}."
+                    )
                     continue
                 where = f"pid {pid} on {host}" if host != "?" else "another process"
-                raise GcfError(f"Output folder {self.path.parent} is in use by a running gcfamily run ({where}); wait for it to end, "
-                               f"or choose another --output-dir (if that run is gone, delete {self.path}).")
+                raise GcfError(
+                    f"Output folder {self.path.parent} is in use by a running gcfamily run ({where}); wait for it to end, "
+                    f"or choose another --output-dir (if that run is gone, delete {self.path})."
+                )
             with os.fdopen(fd, "w") as f:
                 json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
             self.held = True
@@ -123,7 +173,10 @@ def holds_run(out_dir: Path) -> bool:
 
 def holds_run_output(out_dir: Path) -> bool:
     """Whether a run has produced anything beyond its settings file: metrics, checkpoints or a model."""
-    return any((out_dir / m).exists() for m in ("metrics.jsonl", "checkpoints", "model.safetensors", "adapter_model.safetensors"))
+    return any(
+        (out_dir / m).exists()
+        for m in ("metrics.jsonl", "checkpoints", "model.safetensors", "adapter_model.safetensors")
+    )
 
 
 def same_folder(a: str | Path, b: str | Path) -> bool:
@@ -136,26 +189,36 @@ def same_folder(a: str | Path, b: str | Path) -> bool:
 def check_target(out_dir: Path, model: str, resume: Optional[str], overwrite: bool) -> None:
     """Refuse a folder that would lose or mix work (module docstring); nothing is written here."""
     if Path(model).expanduser().is_dir() and same_folder(out_dir, model):
-        raise GcfError(f"Output folder {out_dir} is the model being trained (--model {model}); writing there would replace the weights it starts from: "
-                       "choose another --output-dir.")
+        raise GcfError(
+            f"Output folder {out_dir} is the model being trained (--model {model}); writing there would replace the weights it starts from: "
+            "choose another --output-dir."
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise GcfError(f"Output folder {out_dir} is a file; choose a folder for --output-dir.")
     if resume is not None or overwrite or not out_dir.is_dir():
         return
     if holds_run(out_dir):
-        raise GcfError(f"Output folder {out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir.")
+        raise GcfError(
+            f"Output folder {out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir."
+        )
     others = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
     if others:
         what = "a model" if (out_dir / "config.json").is_file() else "files"
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
-        raise GcfError(f"Output folder {out_dir} holds {what} ({shown}) but no gcfamily run; pass --overwrite to write over them, or another --output-dir.")
+        raise GcfError(
+            f"Output folder {out_dir} holds {what} ({shown}) but no gcfamily run; pass --overwrite to write over them, or another --output-dir."
+        )
 
 
 def clear_previous_run(out_dir: Path) -> list[str]:
     """--overwrite: remove what an earlier run (or a model) left in the folder; the names removed."""
     removed = []
     for p in sorted(out_dir.iterdir()):
-        if p.name in RUN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors")) or p.name.startswith(".tmp-"):
+        if (
+            p.name in RUN_FILES
+            or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+            or p.name.startswith(".tmp-")
+        ):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             removed.append(p.name)
     return removed
@@ -168,11 +231,15 @@ def check_writable(out_dir: Path, need_bytes: int) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise GcfError(f"Output folder {out_dir} is not writable ({e.strerror or e}); choose another --output-dir or fix its permissions.") from e
+        raise GcfError(
+            f"Output folder {out_dir} is not writable ({e.strerror or e}); choose another --output-dir or fix its permissions."
+        ) from e
     free = shutil.disk_usage(out_dir).free
     if free < need_bytes:
-        raise GcfError(f"The disk of {out_dir} has {free / 2**20:,.0f} MB free, less than one checkpoint needs (about {need_bytes / 2**20:,.0f} MB); "
-                       "free some space or choose another --output-dir.")
+        raise GcfError(
+            f"The disk of {out_dir} has {free / 2**20:,.0f} MB free, less than one checkpoint needs (about {need_bytes / 2**20:,.0f} MB); "
+            "free some space or choose another --output-dir."
+        )
 
 
 def clean_partial_checkpoints(out_dir: Path) -> None:
@@ -207,10 +274,14 @@ def check_resume(out_dir: Path, now: dict[str, Any], allow: bool, step: Optional
     diffs = compare_settings(saved, now)
     if not diffs:
         return None
-    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diffs.items())[:6]) + ("; ..." if len(diffs) > 6 else "")
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diffs.items())[:6]) + (
+        "; ..." if len(diffs) > 6 else ""
+    )
     if not allow:
-        raise GcfError(f"--resume would continue run {out_dir} with other settings ({shown}); run the same settings, "
-                       "or pass --set allow_changed_settings=true to change them on purpose (recorded in run_config.json).")
+        raise GcfError(
+            f"--resume would continue run {out_dir} with other settings ({shown}); run the same settings, "
+            "or pass --set allow_changed_settings=true to change them on purpose (recorded in run_config.json)."
+        )
     return {"step": step, "changed": {k: [a, b] for k, (a, b) in diffs.items()}, "previous": saved.get("changes", [])}
 
 

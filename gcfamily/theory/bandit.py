@@ -37,8 +37,13 @@ class _PromptBackbone(nn.Module):
         self.num_prompts = num_prompts
         self.register_buffer("_dtype_probe", torch.zeros((), dtype=torch.float64), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, use_cache: bool = False) -> SimpleNamespace:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        use_cache: bool = False,
+    ) -> SimpleNamespace:
         q = input_ids[:, :1].expand_as(input_ids)  # [B, L]
         hidden = nn.functional.one_hot(q, self.num_prompts).to(self._dtype_probe.dtype)  # [B, L, P]
         return SimpleNamespace(last_hidden_state=hidden)
@@ -86,14 +91,18 @@ class BanditProblem:
         self.pi_ref = np.atleast_2d(np.asarray(self.pi_ref, dtype=float))
         self.rewards = np.atleast_2d(np.asarray(self.rewards, dtype=float))
         if self.pi_ref.shape != self.rewards.shape or self.pi_ref.shape[1] < 2:
-            raise GcfError(f"pi_ref {self.pi_ref.shape} and rewards {self.rewards.shape} must both be [prompts, K >= 2].")
+            raise GcfError(
+                f"pi_ref {self.pi_ref.shape} and rewards {self.rewards.shape} must both be [prompts, K >= 2]."
+            )
         if not np.all(self.pi_ref > 0) or not np.allclose(self.pi_ref.sum(1), 1.0, atol=1e-9):
             raise GcfError("every row of pi_ref must be a distribution with all entries > 0 (finite reference logits).")
         if self.bernoulli and not np.all((self.rewards >= 0) & (self.rewards <= 1)):
             raise GcfError("with Bernoulli rewards every reward is a success probability in [0, 1].")
 
     @classmethod
-    def binary(cls, p_refs: Sequence[float], rewards: Sequence[float] = (1.0, 0.0), bernoulli: bool = False) -> "BanditProblem":
+    def binary(
+        cls, p_refs: Sequence[float], rewards: Sequence[float] = (1.0, 0.0), bernoulli: bool = False
+    ) -> "BanditProblem":
         """One binary question per p_ref: output 0 is the correct answer a, output 1 the wrong one b."""
         p = np.asarray(p_refs, dtype=float)
         if p.ndim != 1 or not np.all((p > 0) & (p < 1)):
@@ -135,8 +144,9 @@ def make_batch(prompts: torch.Tensor, outputs: torch.Tensor, rewards: torch.Tens
     }
 
 
-def sample_groups(problem: BanditProblem, policy: BanditLM, groups_per_prompt: int, G: int,
-                  generator: torch.Generator) -> dict:
+def sample_groups(
+    problem: BanditProblem, policy: BanditLM, groups_per_prompt: int, G: int, generator: torch.Generator
+) -> dict:
     """groups_per_prompt groups of G outputs drawn from the current policy for every prompt, scored.
 
     Rows are grouped as the rollout groups them: G consecutive rows per group, prompt-major.

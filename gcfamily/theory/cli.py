@@ -28,31 +28,73 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 @click.command()
-@click.option("--method", default=None, help="grpo, a variant (grpo-shift, grpo-direct-kl, grpo-shift-direct-kl), dapo, dr-grpo, rloo, "
-              "or a GRPO subclass of your own (module:Class or path/to/file.py:Class, with --variant).  [default: grpo]")
-@click.option("--variant", type=click.Choice(["grpo", "direct_kl", "shift_only", "shift_only_direct_kl"]), default=None,
-              help="The prediction variant; picks its method when --method is not given, and is the prediction a "
-                   "method of your own is compared with.")
+@click.option(
+    "--method",
+    default=None,
+    help="grpo, a variant (grpo-shift, grpo-direct-kl, grpo-shift-direct-kl), dapo, dr-grpo, rloo, "
+    "or a GRPO subclass of your own (module:Class or path/to/file.py:Class, with --variant).  [default: grpo]",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(["grpo", "direct_kl", "shift_only", "shift_only_direct_kl"]),
+    default=None,
+    help="The prediction variant; picks its method when --method is not given, and is the prediction a "
+    "method of your own is compared with.",
+)
 @click.option("--group-size", "-G", "G", type=int, default=4, show_default=True, help="Group size G.")
 @click.option("--beta", type=float, default=0.2, show_default=True, help="KL weight.")
-@click.option("--std", type=click.Choice(["population", "sample"]), default="sample", show_default=True,
-              help="Group std of the advantage: sample is GRPO's default, population the paper's (the sample std is the "
-                   "paper's model at beta * sqrt(G/(G-1))); trained and predicted policies use the same one.")
+@click.option(
+    "--std",
+    type=click.Choice(["population", "sample"]),
+    default="sample",
+    show_default=True,
+    help="Group std of the advantage: sample is GRPO's default, population the paper's (the sample std is the "
+    "paper's model at beta * sqrt(G/(G-1))); trained and predicted policies use the same one.",
+)
 @click.option("--exact/--sampled", default=True, show_default=True, help="Exact expected gradients, or sampled groups.")
 @click.option("--steps", type=int, default=1000, show_default=True, help="Most steps (exact: stops when converged).")
-@click.option("--lr", type=float, default=None,
-              help="Exact: a fixed natural-gradient step size (default: adapted to the curvature each step). "
-                   "Sampled: the SGD step per prompt (default: 0.1/beta).")
+@click.option(
+    "--lr",
+    type=float,
+    default=None,
+    help="Exact: a fixed natural-gradient step size (default: adapted to the curvature each step). "
+    "Sampled: the SGD step per prompt (default: 0.1/beta).",
+)
 @click.option("--groups", type=int, default=64, show_default=True, help="Sampled groups per prompt per step.")
-@click.option("--p-ref", "p_ref", default="0.1,0.3,0.5,0.7,0.9", show_default=True, help="pi_ref(correct answer), one question each.")
+@click.option(
+    "--p-ref",
+    "p_ref",
+    default="0.1,0.3,0.5,0.7,0.9",
+    show_default=True,
+    help="pi_ref(correct answer), one question each.",
+)
 @click.option("--rewards", default="1,0", show_default=True, help="Rewards of the correct and the wrong answer.")
 @click.option("--bernoulli", is_flag=True, help="The rewards are success probabilities of a 0/1 reward.")
-@click.option("--plot-betas", default="0.1,0.5,1.0", show_default=True, help="More beta panels for the plot (--beta is always one).")
+@click.option(
+    "--plot-betas",
+    default="0.1,0.5,1.0",
+    show_default=True,
+    help="More beta panels for the plot (--beta is always one).",
+)
 @click.option("--out", "out_dir", default="runs/theory", show_default=True, help="Folder for the PNG.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, std: str, exact: bool, steps: int,
-           lr: Optional[float], groups: int, p_ref: str, rewards: str, bernoulli: bool, plot_betas: str, out_dir: str,
-           seed: int) -> None:
+def theory(
+    method: Optional[str],
+    variant: Optional[str],
+    G: int,
+    beta: float,
+    std: str,
+    exact: bool,
+    steps: int,
+    lr: Optional[float],
+    groups: int,
+    p_ref: str,
+    rewards: str,
+    bernoulli: bool,
+    plot_betas: str,
+    out_dir: str,
+    seed: int,
+) -> None:
     """Train bandit policies with a method and compare them with the predicted stationary policies."""
     from gcfamily.theory.bandit import BanditProblem
     from gcfamily.theory.train import bandit_config, predicted_policy, train_bandit
@@ -75,8 +117,10 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     if any(b <= 0 for b in betas):
         raise GcfError(f"--plot-betas must all be > 0 (got {plot_betas!r}).")
     mode = "exact expected gradients" if exact else f"{groups} sampled groups per prompt per step"
-    click.echo(f"{method} (prediction: {pred.variant}, std {std}), G={G}, {mode}, rewards a={r[0]:g} b={r[1]:g}"
-               f"{' (Bernoulli)' if bernoulli else ''}")
+    click.echo(
+        f"{method} (prediction: {pred.variant}, std {std}), G={G}, {mode}, rewards a={r[0]:g} b={r[1]:g}"
+        f"{' (Bernoulli)' if bernoulli else ''}"
+    )
 
     t0 = time.time()
     trained: dict[float, np.ndarray] = {}
@@ -87,14 +131,22 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
             main_res = res
     want = predicted_policy(problem, method, G, beta, std, variant)
     got = trained[beta]
-    status = (f"converged: max |expected gradient / pi| {main_res.residual:.1e}" if main_res.steps < steps else
-              f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps; with --lr, lower it)"
-              ) if exact else "policy averaged over the second half"
+    status = (
+        (
+            f"converged: max |expected gradient / pi| {main_res.residual:.1e}"
+            if main_res.steps < steps
+            else f"NOT converged: max |expected gradient / pi| {main_res.residual:.1e} (raise --steps; with --lr, lower it)"
+        )
+        if exact
+        else "policy averaged over the second half"
+    )
     click.echo(f"beta={beta:g}: {main_res.steps} steps, {status}\n")
     click.echo(f"{'prompt':<7}{'output':<8}{'pi_ref':>8}{'trained':>11}{'predicted':>11}{'difference':>12}")
     for q in range(problem.P):
         for o, name in enumerate(("a", "b")):
-            click.echo(f"q{q:<6}{name:<8}{problem.pi_ref[q, o]:>8.4f}{got[q, o]:>11.6f}{want[q, o]:>11.6f}{got[q, o] - want[q, o]:>+12.2e}")
+            click.echo(
+                f"q{q:<6}{name:<8}{problem.pi_ref[q, o]:>8.4f}{got[q, o]:>11.6f}{want[q, o]:>11.6f}{got[q, o] - want[q, o]:>+12.2e}"
+            )
     diff = np.abs(got - want)
     q, o = np.unravel_index(int(np.argmax(diff)), diff.shape)
     click.echo(f"\nlargest difference: {diff.max():.2e} (q{q}, output {'ab'[o]}, pi_ref(a)={problem.pi_ref[q, 0]:g})")
@@ -107,8 +159,16 @@ def theory(method: Optional[str], variant: Optional[str], G: int, beta: float, s
     click.echo(f"plot: {path}  ({time.time() - t0:.1f} s)")
 
 
-def _curve(p_grid: np.ndarray, rewards: np.ndarray, bernoulli: bool, method: str, G: Optional[int], beta: float,
-           std: str, variant: Optional[str] = None) -> np.ndarray:
+def _curve(
+    p_grid: np.ndarray,
+    rewards: np.ndarray,
+    bernoulli: bool,
+    method: str,
+    G: Optional[int],
+    beta: float,
+    std: str,
+    variant: Optional[str] = None,
+) -> np.ndarray:
     """Predicted stationary pi(a) over a grid of pi_ref(a); NaN where no stationary point is found."""
     from gcfamily.theory import predictions
     from gcfamily.methods.theory_variants import prediction_for
@@ -118,15 +178,24 @@ def _curve(p_grid: np.ndarray, rewards: np.ndarray, bernoulli: bool, method: str
     out = np.full(len(p_grid), np.nan)
     for i, p in enumerate(p_grid):
         try:  # direct KL can flow to a vertex (no finite stationary logits); leave a gap there
-            out[i] = predictions.grpo_stationary(np.array([p, 1 - p]), rewards, G, beta / s, std, bernoulli,
-                                                 pred.variant, max_steps=80).pi[0]
+            out[i] = predictions.grpo_stationary(
+                np.array([p, 1 - p]), rewards, G, beta / s, std, bernoulli, pred.variant, max_steps=80
+            ).pi[0]
         except RuntimeError:
             pass
     return out
 
 
-def plot(path: Path, problem, method: str, G: int, std: str, betas: list[float],  # type: ignore[no-untyped-def]
-         trained: dict[float, np.ndarray], variant: Optional[str] = None) -> None:
+def plot(
+    path: Path,
+    problem,
+    method: str,
+    G: int,
+    std: str,
+    betas: list[float],  # type: ignore[no-untyped-def]
+    trained: dict[float, np.ndarray],
+    variant: Optional[str] = None,
+) -> None:
     """pi(a) against pi_ref(a), one panel per beta: predicted curves, log pooling, trained points."""
     import matplotlib
 

@@ -7,6 +7,7 @@ expectations are sums over multisets (deterministic) or binomial counts (Bernoul
 never Monte Carlo. Symbols follow the paper: G group size, beta KL weight, P_G(o | pi)
 the reward preference, p_ref = pi_ref(a) and gamma the margin of a binary question.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,8 +57,9 @@ def _advantage(dev: Array, var: Array, tie: Array, std: str, G: int | None) -> A
 @lru_cache(maxsize=None)
 def _multisets(K: int, n: int) -> tuple[Array, Array]:
     """Count vectors of all multisets of n outputs out of K, and their multinomial coefficients."""
-    counts = np.array([np.bincount(c, minlength=K) for c in
-                       itertools.combinations_with_replacement(range(K), n)], dtype=float)  # [M, K]
+    counts = np.array(
+        [np.bincount(c, minlength=K) for c in itertools.combinations_with_replacement(range(K), n)], dtype=float
+    )  # [M, K]
     log_fact = np.array([math.lgamma(c + 1) for c in range(n + 1)])  # log c!
     log_coef = log_fact[n] - log_fact[counts.astype(int)].sum(axis=1)
     return counts, np.exp(log_coef)  # [M, K], [M]
@@ -77,6 +79,7 @@ def _preference_fn(rewards: Array, G: int | None, std: str, bernoulli: bool) -> 
     if bernoulli and not np.all((r >= 0) & (r <= 1)):
         raise GcfError("with bernoulli=True, rewards are success probabilities and must lie in [0, 1].")
     if G is None:  # G -> infinity: the group mean and std become E_pi r and sigma(pi)
+
         def p_inf(pi: Array) -> Array:
             mean = pi @ r
             var = mean * (1 - mean) if bernoulli else pi @ (r - mean) ** 2  # Bernoulli noise counts
@@ -84,6 +87,7 @@ def _preference_fn(rewards: Array, G: int | None, std: str, bernoulli: bool) -> 
                 return (r - mean) / (1.0 if std == "none" else math.sqrt(var))
             # sigma = 0 (pi on equal rewards): an outsider's advantage grows like sqrt(G-1)
             return np.where(r == mean, 0.0, np.where(r > mean, np.inf, -np.inf))
+
         return p_inf
     if bernoulli:  # only the number k of 1s in the group matters; the others' k ~ Bin(G-1, E_pi q)
         tables = []
@@ -96,6 +100,7 @@ def _preference_fn(rewards: Array, G: int | None, std: str, bernoulli: bool) -> 
         def p_bern(pi: Array) -> Array:
             pmf = _binomial_pmf(G - 1, float(np.clip(pi @ r, 0.0, 1.0)))
             return r * (a1 @ pmf) + (1 - r) * (a0 @ pmf)
+
         return p_bern
     counts, coef = _multisets(len(r), G - 1)  # the other G-1 outputs, as a multiset
     mean = (r[:, None] + counts @ r) / G  # [K, M]: o's group mean for each multiset
@@ -106,11 +111,13 @@ def _preference_fn(rewards: Array, G: int | None, std: str, bernoulli: bool) -> 
 
     def p_det(pi: Array) -> Array:
         return adv @ (coef * np.prod(pi[None, :] ** counts, axis=1))
+
     return p_det
 
 
-def reward_preference(pi: Array, rewards: Array, G: int | None, std: str = "population",
-                      bernoulli: bool = False) -> Array:
+def reward_preference(
+    pi: Array, rewards: Array, G: int | None, std: str = "population", bernoulli: bool = False
+) -> Array:
     """P_G(o | pi) = E[A_1 | o_1 = o, o_2..o_G iid ~ pi] for every o, exactly; shape [K].
 
     std: "population" (the paper), "sample" (torch default, A scaled by sqrt((G-1)/G)) or
@@ -121,8 +128,9 @@ def reward_preference(pi: Array, rewards: Array, G: int | None, std: str = "popu
     return _preference_fn(rewards, G, std, bernoulli)(np.asarray(pi, dtype=float))
 
 
-def _coefficient_fn(pi_ref: Array, rewards: Array, G: int | None, beta: float, std: str,
-                    bernoulli: bool, variant: str) -> Callable[[Array], Array]:
+def _coefficient_fn(
+    pi_ref: Array, rewards: Array, G: int | None, beta: float, std: str, bernoulli: bool, variant: str
+) -> Callable[[Array], Array]:
     """log pi -> c(o) = E[GC_1 | o_1 = o], the expected per-sample gradient coefficient of o.
 
     The expected gradient on logits is then pi (c - E_pi c). Working with c rather than the
@@ -143,6 +151,7 @@ def _coefficient_fn(pi_ref: Array, rewards: Array, G: int | None, beta: float, s
         with np.errstate(invalid="ignore", over="ignore"):
             kl_c = np.exp(log_ref - log_pi) - 1 if kl == "k3" else -(log_pi - log_ref)
         return np.where(live, pref(np.exp(log_pi)) + beta * np.where(live, kl_c, 0.0), 0.0)
+
     return coefficient
 
 
@@ -155,8 +164,16 @@ def _softmax(logits: Array) -> Array:
     return np.exp(_log_softmax(logits))
 
 
-def expected_gradient(logits: Array, pi_ref: Array, rewards: Array, G: int | None, beta: float,
-                      std: str = "population", bernoulli: bool = False, variant: str = "grpo") -> Array:
+def expected_gradient(
+    logits: Array,
+    pi_ref: Array,
+    rewards: Array,
+    G: int | None,
+    beta: float,
+    std: str = "population",
+    bernoulli: bool = False,
+    variant: str = "grpo",
+) -> Array:
     """Exact expected on-policy gradient on softmax logits (ascent direction; a loss has minus it).
 
     It is d/d logits, at pi = pi_old = softmax(logits), of the DeepSeekMath GRPO objective with
@@ -184,9 +201,17 @@ class StationaryPoint:
     steps: int  # pseudo-transient continuation steps taken
 
 
-def grpo_stationary(pi_ref: Array, rewards: Array, G: int | None, beta: float, std: str = "population",
-                    bernoulli: bool = False, variant: str = "grpo", tol: float = 1e-12,
-                    max_steps: int = 500) -> StationaryPoint:
+def grpo_stationary(
+    pi_ref: Array,
+    rewards: Array,
+    G: int | None,
+    beta: float,
+    std: str = "population",
+    bernoulli: bool = False,
+    variant: str = "grpo",
+    tol: float = 1e-12,
+    max_steps: int = 500,
+) -> StationaryPoint:
     """The stationary policy reached from pi = pi_ref: a zero of expected_gradient.
 
     For "grpo" it solves (1 - P_G(o | pi)/beta) pi(o) = pi_ref(o). Solved on the logits of the
@@ -227,9 +252,11 @@ def grpo_stationary(pi_ref: Array, rewards: Array, G: int | None, beta: float, s
         h, res = h_new, res_new
     if res < tol:
         return StationaryPoint(_embed(theta, S), res, max_steps)
-    raise RuntimeError(f"grpo_stationary did not converge: residual {res:.3g} after {max_steps} steps "
-                       "(with direct KL the flow from pi_ref can run to a vertex, which has no finite "
-                       "logits).")
+    raise RuntimeError(
+        f"grpo_stationary did not converge: residual {res:.3g} after {max_steps} steps "
+        "(with direct KL the flow from pi_ref can run to a vertex, which has no finite "
+        "logits)."
+    )
 
 
 def _embed(theta: Array, S: Array) -> Array:

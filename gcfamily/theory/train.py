@@ -53,7 +53,9 @@ class BanditRunner(LocalServices):
     def logprobs(self, model: torch.nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """The run's no-grad log-prob pass (pi_old, pi_ref), micro-batched as the settings say."""
         cfg = self.cfg
-        return engine.batch_logprobs(model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, self.device)
+        return engine.batch_logprobs(
+            model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, self.device
+        )
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Any) -> Any:
         raise NotImplementedError("the bandit draws its groups itself (theory.bandit.sample_groups)")
@@ -74,13 +76,25 @@ def bandit_config(method: str, G: int, beta: float, std: str = DEFAULT_STD, **se
         raise GcfError(f"beta={beta} must be > 0 (the stationary policy needs a KL term).")
     if std not in ("population", "sample"):
         raise GcfError(f"std={std!r} is unknown; use population or sample.")
-    cfg = Config(method=method, task=None, group_size=int(G), beta=float(beta), std=std, max_new_tokens=1,
-                 micro_batch_size=1 << 30, chunk_size=1 << 30, progress=False, **settings)
+    cfg = Config(
+        method=method,
+        task=None,
+        group_size=int(G),
+        beta=float(beta),
+        std=std,
+        max_new_tokens=1,
+        micro_batch_size=1 << 30,
+        chunk_size=1 << 30,
+        progress=False,
+        **settings,
+    )
     get_method(method).validate(cfg)  # fills method defaults (Dr. GRPO's norm_constant = max_new_tokens = 1)
     return cfg
 
 
-def build_method(cfg: Config, problem: BanditProblem, logits: Optional[np.ndarray] = None) -> tuple[Method, BanditRunner]:
+def build_method(
+    cfg: Config, problem: BanditProblem, logits: Optional[np.ndarray] = None
+) -> tuple[Method, BanditRunner]:
     """The method class of cfg.method, set up on a bandit policy at pi_ref, then moved to `logits`.
 
     Setup runs at pi_ref because that is where a method takes its reference from (GRPO copies
@@ -97,8 +111,14 @@ def build_method(cfg: Config, problem: BanditProblem, logits: Optional[np.ndarra
 
 def backward(method: Method, policy: BanditLM, batch: Batch, Z: float, weight: Optional[torch.Tensor] = None) -> float:
     """The engine's weighted backward on a prepared batch; weight [N] scales each row's coefficient."""
-    out = engine.token_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                method.logprob_temperature(), method.cfg.chunk_size)
+    out = engine.token_logprobs(
+        policy,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["loss_mask"],
+        method.logprob_temperature(),
+        method.cfg.chunk_size,
+    )
     coef = method.coefficient(batch, out.logps.detach())  # [N, 2]
     if weight is not None:  # the expectation over groups: linear in the coefficient
         coef = coef * weight[:, None]
@@ -110,14 +130,17 @@ def backward(method: Method, policy: BanditLM, batch: Batch, Z: float, weight: O
 def step_normaliser(method: Method, problem: BanditProblem) -> float:
     """Z of a sampled step with one group per prompt: exact mode's loss is its expectation."""
     G = method.cfg.group_size
-    rows = make_batch(torch.arange(problem.P).repeat_interleave(G), torch.zeros(problem.P * G, dtype=torch.long),
-                      torch.zeros(problem.P * G))
+    rows = make_batch(
+        torch.arange(problem.P).repeat_interleave(G),
+        torch.zeros(problem.P * G, dtype=torch.long),
+        torch.zeros(problem.P * G),
+    )
     return engine.normaliser([rows], method.norm, method.cfg.norm_constant)
 
 
 def exact_gradient(method: Method, runner: BanditRunner, enum: GroupEnumeration, Z: float) -> torch.Tensor:
     """d loss / d logits [P, K] of the expected loss over groups at the current policy."""
-    if method.cfg.zero_std == "exclude":
+    if method.settings.zero_std == "exclude":
         raise GcfError("exact expected gradients need zero_std=keep: excluding groups makes Z random.")
     policy = runner.bandit
     policy.zero_grad(set_to_none=True)
@@ -148,8 +171,16 @@ class TrainResult:
     history: list[float] = field(default_factory=list)  # residual (exact) or loss (sampled) per step
 
 
-def train_bandit(problem: BanditProblem, cfg: Config, exact: bool = True, steps: int = 1000, lr: Optional[float] = None,
-                 groups_per_prompt: int = 32, seed: int = 0, tol: float = 1e-5) -> TrainResult:
+def train_bandit(
+    problem: BanditProblem,
+    cfg: Config,
+    exact: bool = True,
+    steps: int = 1000,
+    lr: Optional[float] = None,
+    groups_per_prompt: int = 32,
+    seed: int = 0,
+    tol: float = 1e-5,
+) -> TrainResult:
     """Gradient ascent on the bandit's logits with the method of cfg.method, from pi_ref.
 
     exact: the exact expected gradient; natural-gradient steps theta += eta * grad / pi per
@@ -184,11 +215,12 @@ def _train_exact(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[f
     return TrainResult(policy.probs().numpy(), steps, history[-1] if history else float("nan"), history)
 
 
-def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], groups_per_prompt: int,
-                   seed: int) -> TrainResult:
+def _train_sampled(
+    problem: BanditProblem, cfg: Config, steps: int, lr: Optional[float], groups_per_prompt: int, seed: int
+) -> TrainResult:
     method, runner = build_method(cfg, problem)
     policy = runner.bandit
-    lr = lr if lr is not None else 0.1 / cfg.beta
+    lr = lr if lr is not None else 0.1 / cfg.settings.beta
     opt = torch.optim.SGD(policy.parameters(), lr=lr * problem.P)
     gen = torch.Generator().manual_seed(seed)
     history: list[float] = []
@@ -205,19 +237,45 @@ def _train_sampled(problem: BanditProblem, cfg: Config, steps: int, lr: Optional
     return TrainResult(avg / max(n_avg, 1), steps, float("nan"), history)
 
 
-def predicted_policy(problem: BanditProblem, method: str, G: Optional[int], beta: float,
-                     std: str = DEFAULT_STD, variant: Optional[str] = None) -> np.ndarray:
+def predicted_policy(
+    problem: BanditProblem,
+    method: str,
+    G: Optional[int],
+    beta: float,
+    std: str = DEFAULT_STD,
+    variant: Optional[str] = None,
+) -> np.ndarray:
     """The predicted stationary policy [P, K] of `method` (G=None: G -> infinity); variant: see prediction_for."""
     pred = prediction_for(method, variant)
     s = pred.adv_scale(G) if G is not None else 1.0
-    return np.stack([predictions.grpo_stationary(problem.pi_ref[q], problem.rewards[q], G, beta / s, std,
-                                                 problem.bernoulli, pred.variant).pi for q in range(problem.P)])
+    return np.stack(
+        [
+            predictions.grpo_stationary(
+                problem.pi_ref[q], problem.rewards[q], G, beta / s, std, problem.bernoulli, pred.variant
+            ).pi
+            for q in range(problem.P)
+        ]
+    )
 
 
-def predicted_gradient(problem: BanditProblem, method: str, logits: np.ndarray, G: int, beta: float,
-                       std: str = DEFAULT_STD, variant: Optional[str] = None) -> np.ndarray:
+def predicted_gradient(
+    problem: BanditProblem,
+    method: str,
+    logits: np.ndarray,
+    G: int,
+    beta: float,
+    std: str = DEFAULT_STD,
+    variant: Optional[str] = None,
+) -> np.ndarray:
     """predictions.expected_gradient [P, K] (ascent, per prompt) for `method` at the given logits."""
     pred = prediction_for(method, variant)
     s = pred.adv_scale(G)
-    return np.stack([s * predictions.expected_gradient(logits[q], problem.pi_ref[q], problem.rewards[q], G, beta / s,
-                                                       std, problem.bernoulli, pred.variant) for q in range(problem.P)])
+    return np.stack(
+        [
+            s
+            * predictions.expected_gradient(
+                logits[q], problem.pi_ref[q], problem.rewards[q], G, beta / s, std, problem.bernoulli, pred.variant
+            )
+            for q in range(problem.P)
+        ]
+    )

@@ -1,0 +1,210 @@
+"""Settings in and out: a YAML recipe and `--set` values typed into a Config, a method's own settings typed by its class,
+the resolved settings as the JSON saved with every run, and the docstrings `gcf settings` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from gcfamily.config.shared import FIELD_NAMES, FIELDS, INTERNAL, Config, MethodSettings
+from gcfamily.errors import GcfError
+
+
+def field_docs(cls: type = Config) -> dict[str, str]:
+    """Field name -> its docstring, read from the source of `cls` and of its dataclass bases."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(src).body[0]
+        last = None
+        for node in tree.body:  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign):
+                last = node.target.id  # type: ignore[union-attr]
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+                docs[last] = " ".join(str(node.value.value).split())
+                last = None
+    return {k: v for k, v in docs.items() if k not in INTERNAL}
+
+
+def _coerce(f: dataclasses.Field, value: Any, owner: str = "Setting") -> Any:
+    """Turn a YAML or command-line value into the field's type; a clear error otherwise."""
+    name = f.name
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    typ = (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", None) or str(f.type)).replace(
+        "typing.", ""
+    )
+    optional = default is None or typ.startswith("Optional")
+    base = typ.removeprefix("Optional[").removesuffix("]") if optional else typ
+    if isinstance(value, str) and base != "str":
+        if value.lower() in ("none", "null") and optional:
+            return None
+        try:
+            value = yaml.safe_load(value)  # numbers, booleans, lists, dicts; never code
+        except yaml.YAMLError as e:
+            raise GcfError(f"{owner} {name}={value!r} is not a valid value.") from e
+    if value is None and optional:
+        return None
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+        elif base == "int":
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif base == "float":
+            if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+                value = float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        elif base == "tuple":
+            if isinstance(value, (list, tuple)):
+                return tuple(value)
+        elif base in ("list", "dict"):
+            if isinstance(value, list if base == "list" else dict):
+                return value
+        elif base == "str":
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+        else:
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise GcfError(f"{owner} {name}={value!r} has the wrong type; expected {base}{' or none' if optional else ''}.")
+
+
+def settings_for(method_cls: Any, cfg: Config) -> Any:
+    """The method's Settings instance from cfg.method_options; an unknown key names both kinds of setting."""
+    cls = getattr(method_cls, "Settings", MethodSettings)
+    own = {f.name: f for f in fields(cls)}
+    values = {}
+    for k, v in cfg.method_options.items():
+        if k not in own:
+            known = ", ".join(sorted(own)) or "none"
+            raise GcfError(
+                f"Unknown setting '{k}' for method {cfg.method}; its own settings are: {known}; "
+                f"the shared ones are listed by `gcf settings`."
+            )
+        values[k] = _coerce(own[k], v)
+        if isinstance(values[k], float) and not math.isfinite(
+            values[k]
+        ):  # no method setting means anything at nan or inf
+            raise GcfError(f"Setting {k}={values[k]} of method {cfg.method} must be a finite number.")
+    return cls(**values)
+
+
+def own_setting_names(method_cls: Any) -> set[str]:
+    """Every key `--set` takes for a method class: the shared settings and its own (by name: gcfamily.methods.setting_names)."""
+    own = {f.name for f in fields(getattr(method_cls, "Settings", MethodSettings))}
+    return (set(FIELD_NAMES) - set(INTERNAL)) | own
+
+
+def resolve_settings(cfg: Config, method_cls: Any) -> Config:
+    """Attach the method's settings to cfg (a class; by name: gcfamily.methods.resolve); returns cfg."""
+    if not isinstance(cfg.settings, getattr(method_cls, "Settings", MethodSettings)):
+        object.__setattr__(cfg, "settings", settings_for(method_cls, cfg))
+    return cfg
+
+
+def apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
+    """Return a copy of cfg with values applied: shared keys typed now, the rest kept for the method."""
+    out = Config(
+        **{f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in ("settings", "method_options")},
+        method_options=dict(cfg.method_options),
+    )
+    for k, v in values.items():
+        key = k.replace("-", "_")
+        if key in INTERNAL:
+            raise GcfError(f"Unknown setting '{k}' in {source}; see `gcf settings` for the list.")
+        if key in FIELD_NAMES:
+            object.__setattr__(out, key, _coerce(FIELDS[key], v))
+        else:
+            out.method_options[key] = v
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a recipe; a missing or malformed file is a clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise GcfError(f"Config file {path} does not exist; pass a YAML recipe such as configs/sft-arithmetic.yaml.")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise GcfError(
+            f"Config file {path} is not text (byte {e.start} is not UTF-8); pass a YAML recipe such as configs/sft-arithmetic.yaml."
+        ) from e
+    except OSError as e:
+        raise GcfError(f"Config file {path} could not be read ({e.strerror or e}).") from e
+    except yaml.YAMLError as e:
+        raise GcfError(
+            f"Config file {path} is not valid YAML ({(str(e).splitlines() or [type(e).__name__])[0]})."
+        ) from e
+    if not isinstance(data, dict):
+        raise GcfError(f"Config file {path} must be a mapping of setting: value.")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise GcfError(
+            f"Config file {path} has the key {bad[0]!r}, which is not a setting name; keys are names such as lr or method."
+        )
+    return data
+
+
+def parse_sets(items: tuple[str, ...]) -> dict[str, str]:
+    """`--set key=value` pairs to a dict."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise GcfError(f"--set {item!r} must look like key=value.")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def read(config_path: Optional[str], overrides: dict[str, Any]) -> Config:
+    """Defaults, then the YAML recipe, then command-line values; the method's own settings stay untyped until its class
+    types them (gcfamily.methods.resolve does both)."""
+    cfg = Config()
+    given: dict[str, Any] = {}
+    if config_path:
+        given = load_yaml(config_path)
+        cfg = apply(cfg, given, config_path)
+    cfg = apply(cfg, overrides, "the command line")
+    if cfg.trust_remote_code and not any(k.replace("-", "_") == "trust_remote_code" for k in overrides):
+        # a recipe is often someone else's file: running a model's own code is asked for where the command is typed
+        raise GcfError(
+            f"Config file {config_path} sets trust_remote_code: true, which a recipe alone may not do; "
+            f"pass --trust-remote-code on the command line if you trust the model's code."
+        )
+    object.__setattr__(cfg, "explicit", sorted({k.replace("-", "_") for k in [*given, *overrides]}))
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """JSON-ready dict of the resolved settings, shared and the method's, flat (saved with every run)."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in INTERNAL}
+    out.update(dataclasses.asdict(cfg.settings) if cfg.settings is not None else cfg.method_options)
+    out["explicit"] = list(cfg.explicit)
+    return json.loads(json.dumps(out, default=list))
+
+
+def env_flag(name: str) -> bool:
+    """True when an environment variable is set to a truthy value."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,65 @@
+"""The tests a shared setting's value must pass, declared beside each field (`setting(default, test, rule)`), and the caps
+past which a size is a typo. The bottom of config/: imports nothing of gcfamily but its error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+from gcfamily.errors import GcfError
+
+# Caps far past any run one machine can hold; past them a setting is a typo (1e9 for 1e3), refused before any allocation.
+MAX_SEQUENCE_TOKENS = 2**20
+"""max_length and max_new_tokens: no model gcfamily can train has a longer context (1,048,576 tokens)."""
+MAX_ROWS = 2**20
+"""batch_size, and batch_size * group_size rows sampled per step (the sampler holds a [rows, vocabulary] logits tensor)."""
+MAX_GROUP = 2**16
+"""group_size."""
+MAX_SAMPLED_TOKENS = 2**31
+"""batch_size * group_size * max_new_tokens: the sampler holds a [rows, max_new_tokens] token buffer and a KV cache as long."""
+
+
+def whole(lo: int, hi: Optional[int] = None) -> Callable[[Any], bool]:
+    """An int (never a bool) in [lo, hi]."""
+    return lambda x: isinstance(x, int) and not isinstance(x, bool) and lo <= x and (hi is None or x <= hi)
+
+
+def real(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> Callable[[Any], bool]:
+    """A finite number (never a bool) between lo and hi; NaN and infinities fail every test."""
+
+    def ok(x: Any) -> bool:
+        if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)):
+            return False
+        return (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
+
+    return ok
+
+
+def setting(default: Any, test: Callable[[Any], bool], rule: str, label: Optional[str] = None) -> Any:
+    """A numeric field's default with its range: `test(value)` must hold (or the value be None where the default is), else
+    the run is refused with "NAME must be RULE (got VALUE)". A float rule says "finite": NaN and inf are refused."""
+    return dataclasses.field(default=default, metadata={"test": test, "rule": rule, "label": label or ""})
+
+
+def range_checks(obj: Any) -> list[tuple[bool, str]]:
+    """(passes, sentence) for every field of a settings dataclass that declares its range with `setting`."""
+    out = []
+    for f in dataclasses.fields(obj):
+        if "test" in f.metadata:
+            value = getattr(obj, f.name)
+            label = f.metadata["label"] or f.name
+            out.append(
+                (
+                    f.metadata["test"](value) or (value is None and f.default is None),
+                    f"{label} must be {f.metadata['rule']} (got {value!r})",
+                )
+            )
+    return out
+
+
+def require(checks: list[tuple[bool, str]]) -> None:
+    """Refuse the first failing check in one sentence: "Invalid setting: RULE." (the one loop every validate uses)."""
+    for ok, msg in checks:
+        if not ok:
+            raise GcfError(f"Invalid setting: {msg}.")
