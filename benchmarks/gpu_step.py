@@ -207,10 +207,10 @@ def grpo_figures(
     prepare = trainer.method.prepare
 
     def counting_prepare(batch):  # every non-pad token the step trains on, and the no-grad passes over them
-        b = prepare(batch)
+        b, stats = prepare(batch)
         tokens.append(int(b["attention_mask"].sum()))
         forwards.append(int("ref_logps" in b) + int("old_logps" in b))
-        return b
+        return b, stats
 
     trainer.method.prepare = counting_prepare
     eos = rollout._eos_ids

@@ -59,20 +59,22 @@ def split_batch(batch: dict[str, Any], size: int, rows_per_example: int = 1) -> 
 
 
 def select(batch: dict[str, Any], idx: slice | torch.Tensor | list[int]) -> dict[str, Any]:
-    """Rows idx of every per-row field (tensors with B rows and lists of length B)."""
+    """Rows idx of a batch, by each field's role: a tensor (of one or more dimensions) or a list is per row ([B, ...],
+    per token when [B, L]) and is indexed; a number, a 0-dim tensor or a dict is a step constant and is kept. A per-row
+    field of another length than input_ids is a bug in whoever built the batch, refused here rather than passed on."""
     B = batch["input_ids"].shape[0]
+    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
     out = {}
     for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == B:
-            out[k] = v[idx]
-        elif isinstance(v, list) and len(v) == B:
-            out[k] = (
-                v[idx]
-                if isinstance(idx, slice)
-                else [v[i] for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
-            )
-        else:
+        per_row = (isinstance(v, torch.Tensor) and v.ndim >= 1) or isinstance(v, list)
+        if not per_row:
             out[k] = v
+            continue
+        if len(v) != B:
+            raise ValueError(
+                f"batch field {k!r} has {len(v)} rows, not the batch's {B}; a step constant must be a number"
+            )
+        out[k] = v[idx] if isinstance(v, torch.Tensor) or isinstance(idx, slice) else [v[i] for i in rows]
     return out
 
 

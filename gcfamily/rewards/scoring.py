@@ -12,6 +12,14 @@ reward worker process (guard.py), where a crash, ``sys.exit``, ``os._exit`` or a
 
 Conversational data: when a sample's prompt is a list of messages, its completion is given to
 the rewards as ``[{"role": "assistant", "content": text}]``, as TRL does.
+
+Process supervision: a reward may score each step of a completion instead of the whole. Its value
+for a completion is then a list of ``(end, score)`` pairs, ``end`` the character offset in the
+completion just after the step (1 <= end <= len(completion)) and ``score`` a finite number; an
+empty list means no step was scored. A number is one step ending at the completion's end, so
+outcome supervision is the special case. With several rewards, each step's score is weighted by
+its reward's weight and steps ending at the same offset add (``Scores.steps``). Outcome methods
+read one number per completion and refuse step scores (``Scores.require_outcome``).
 """
 
 from __future__ import annotations
@@ -61,6 +69,24 @@ def as_completions(prompts: Sequence[Any], completions: Sequence[Any]) -> list[A
     ]
 
 
+def _as_steps(value: Any, text_len: int) -> list[tuple[int, float]] | None:
+    """A step list [(end, score), ...] checked and sorted by end, or None when it is not one (see the module docstring)."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        return None
+    out = []
+    for item in value:
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+            return None
+        end, score = item
+        if isinstance(end, bool) or not isinstance(end, numbers.Integral) or not 1 <= int(end) <= max(text_len, 1):
+            return None
+        score = _as_reward(score)
+        if score is None:
+            return None
+        out.append((int(end), score))
+    return sorted(out)
+
+
 def _as_reward(value: Any) -> float | None:
     """A finite float, or None when the value is missing, non-numeric or non-finite."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -96,6 +122,19 @@ class Scores:
         default_factory=dict
     )  # name -> (r_k [N], valid_k [N])
     failed_by: list[str] = field(default_factory=list)  # per invalid sample, the name of its first failing reward
+    steps: Optional[list[list[tuple[int, float]]]] = None
+    """Per sample, its weighted step rewards [(end, score), ...] sorted by end, where any reward scored steps; None when
+    every reward gave one number per completion (then `rewards` is all there is)."""
+    step_rewards: tuple[str, ...] = ()
+    """The rewards that returned step scores."""
+
+    def require_outcome(self, method: str) -> None:
+        """Refuse step scores for a method that reads one number per completion (one sentence naming the reward)."""
+        if self.step_rewards:
+            raise GcfError(
+                f"reward '{self.step_rewards[0]}' scores steps (a list of (end, score) per completion), which {method} "
+                "cannot use: it reads one number per completion; train with grpo-ps, or return one number per completion."
+            )
 
     def failure_message(self) -> str:
         """One sentence for a batch where every sample failed, naming the function(s)."""
@@ -206,17 +245,29 @@ class Rewards:
         valid = torch.ones(n, dtype=torch.bool)  # [N]
         first_error: dict[int, tuple[str, str]] = {}  # sample -> (reward name, message)
         per_reward = {}
+        steps: list[dict[int, float]] = [{} for _ in range(n)]  # per sample: end -> weighted score
+        stepped: list[str] = []
+        lengths = [len(c) if isinstance(c, str) else 0 for c in completions]
         for term in self.terms:
             values, raised = self._values(term, prompts, shown, ids, columns, should_stop)
             r = torch.zeros(n, dtype=torch.float64)  # [N]
             ok = torch.zeros(n, dtype=torch.bool)  # [N]
             for i, value in enumerate(values):
                 reward = None if i in raised else _as_reward(value)
+                these = None if i in raised or reward is not None else _as_steps(value, lengths[i])
+                if these is not None:  # step scores: the sample's total is their sum (logged; outcome methods refuse)
+                    reward = float(sum(sc for _, sc in these))
+                    if term.name not in stepped:
+                        stepped.append(term.name)
+                else:
+                    these = [(max(lengths[i], 1), reward)] if reward is not None else None  # one step at the end
                 if reward is None:
                     why = raised[i] if i in raised else f"returned {shorten(repr(value))}"
                     first_error.setdefault(i, (term.name, f"reward function '{term.name}' {why} on sample {i}"))
                 else:
                     r[i], ok[i] = reward, True
+                    for end, sc in these:
+                        steps[i][end] = steps[i].get(end, 0.0) + term.weight * sc
             per_reward[term.name] = (r.float(), ok)
             total += term.weight * r
             valid &= ok
@@ -226,7 +277,10 @@ class Rewards:
             if not valid[i] and i not in first_error:
                 first_error[i] = ("weighted sum", f"the weighted sum of the rewards overflows float32 on sample {i}")
         failed = [first_error[i] for i in sorted(first_error)]
-        return Scores(total, valid, [m for _, m in failed], per_reward, [k for k, _ in failed])
+        step_lists = [sorted(d.items()) if valid[i] else [] for i, d in enumerate(steps)] if stepped else None
+        return Scores(
+            total, valid, [m for _, m in failed], per_reward, [k for k, _ in failed], step_lists, tuple(stepped)
+        )
 
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[Optional[float]]:
         """The weighted sum per completion, None where a reward failed (TRL's convention)."""

@@ -19,7 +19,7 @@ from gcfamily.core import engine, onednn, precision
 from gcfamily.models import lora
 from gcfamily.config import Config, resolve_settings, to_dict
 from gcfamily.config import validate
-from gcfamily.data.batches import split_batch, to_device
+from gcfamily.data.batches import select, split_batch, to_device
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.data.formats import Formatter
 from gcfamily.run.logger import RunLogger
@@ -348,11 +348,7 @@ class Trainer:
         agg: dict[str, list[float]] = {}
         for _ in range(m.inner_epochs()):
             for s in range(0, B, per):
-                part = {
-                    k: (v[s : s + per] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v)
-                    for k, v in batch.items()
-                }
-                for k, v in self.optimizer_step(part).items():
+                for k, v in self.optimizer_step(select(batch, slice(s, s + per))).items():
                     agg.setdefault(k, []).append(v)
         out = {k: (sum(v) if k == "tokens" else sum(v) / len(v)) for k, v in agg.items()}
         return out
