@@ -50,6 +50,7 @@ from gcfamily.core import engine
 from gcfamily.config import Config, apply, parse_sets, resolve_settings
 from gcfamily.config import validate
 from gcfamily.methods import get_method
+from gcfamily.methods.services import LocalServices
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.clipped import kl_value
 from gcfamily.methods.grpo import GRPO
@@ -627,13 +628,13 @@ def build_method(spec: str, sets: str, shared: dict[str, Any], check: bool = Tru
     return cls(cfg)
 
 
-class _Services:
-    """What GRPO.prepare reads from the trainer: the no-grad log-probs of pi_old and pi_ref."""
+class _Services(LocalServices):
+    """What GRPO.prepare asks of the run (gcfamily/methods/services.py): the no-grad log-probs of pi_old and pi_ref."""
 
     def __init__(self, old: torch.Tensor, ref: torch.Tensor) -> None:
         self.old, self.ref = old, ref
 
-    def unwrapped_policy(self) -> str:
+    def policy(self) -> str:  # type: ignore[override]
         return "policy"
 
     def logprobs(self, model: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
@@ -656,7 +657,7 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
     lengths = case["lengths"]
     pos = torch.arange(P + T)[None]
     loss_mask = ((pos >= P) & (pos < P + lengths[:, None])).long()  # [B, P+T]
-    method.trainer = _Services(case["old"], case["ref"])  # what setup() would have given prepare
+    method.services = _Services(case["old"], case["ref"])  # what setup() would have given prepare
     method.ref = "reference" if method.settings.beta > 0 else None
     batch: Batch = {
         "input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1),
