@@ -252,7 +252,7 @@ def check_cmd(spec: str, sets: tuple[str, ...], seeds: int) -> None:
                 f"--set group_size: the check's batches have {check.G} samples per prompt; leave group_size out."
             )
         m = check.make(cls, {"group_size": check.G, **given})  # a bad key or value: one error line
-        cases.append(("given", {k: getattr(m.cfg, k) for k in given}))  # typed by the method's Settings
+        cases.append(("given", {k: getattr(m.cfg if k in FIELDS else m.settings, k) for k in given}))  # typed
     outcomes = [check.run_case(cls, label, s, tuple(range(seeds))) for label, s in cases]
     text, ok = check.report(spec, cls, outcomes)
     click.echo(text)
@@ -314,7 +314,26 @@ def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opt
 )
 @click.option("--samples", default=200, show_default=True, type=click.IntRange(min=1), help="Held-out prompts.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the task's train/test split.")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of the task's train/test split and of --maj-k's sampling.",
+)
+@click.option(
+    "--maj-k",
+    "maj_k",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Also sample K completions per held-out prompt: Maj@K (majority vote of their answers) and pass@K.",
+)
+@click.option(
+    "--temperature",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Temperature of the --maj-k samples.  [default: 1.0]",
+)
 @click.option(
     "--set",
     "sets",
@@ -332,10 +351,15 @@ def eval_cmd(
     samples: int,
     max_new_tokens: int,
     seed: int,
+    maj_k: Optional[int],
+    temperature: Optional[float],
     sets: tuple[str, ...],
     device: str,
 ) -> None:
-    """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding."""
+    """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding.
+
+    With --maj-k K, also Maj@K and pass@K from K completions sampled per held-out prompt (task only: the vote needs the
+    task's answer extraction)."""
     import time
 
     from gcfamily.config import parse_sets
@@ -343,6 +367,9 @@ def eval_cmd(
     from gcfamily.run.trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
+    if temperature is not None and maj_k is None:
+        raise GcfError("--temperature sets the temperature of the --maj-k samples; add --maj-k K or drop it.")
+    temperature = 1.0 if temperature is None else temperature
     if dataset is None and reward:
         raise GcfError(
             "--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset)."
@@ -357,6 +384,10 @@ def eval_cmd(
 
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
+        if maj_k is not None:
+            from gcfamily.run.evaluate import answer_extractor
+
+            answer_extractor(None)  # rows scored by reward functions read no answers: the one-sentence error
         cfg = apply(Config(), parse_sets(sets), "--set")
         validate(cfg)
         rows = load_rows(dataset, split, dataset_config, cfg.columns)
@@ -380,7 +411,7 @@ def eval_cmd(
             f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
         )
         return
-    from gcfamily.run.evaluate import heldout_accuracy
+    from gcfamily.run.evaluate import answer_extractor, heldout_accuracy, sampled_eval
     from gcfamily.tasks import get_task
 
     import yaml
@@ -390,11 +421,32 @@ def eval_cmd(
     except yaml.YAMLError as e:
         raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
     t = get_task(task, seed=seed, **options)
+    answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
     m, tok = load_model(model, resolve_dtype("auto", dev), dev)
     t0 = time.time()
     acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
     n = len(t.heldout_rows(samples))
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
+    if maj_k is not None:
+        from gcfamily.data.formats import Formatter
+
+        t0 = time.time()
+        got = sampled_eval(
+            m,
+            Formatter(tok),
+            t.heldout_rows(samples),
+            t.reward,
+            maj_k,
+            temperature,
+            max_new_tokens,
+            seed,
+            answer=answer,
+        )
+        click.echo(
+            f"{model} on {task}: maj@{maj_k} {got.maj_at_k:.3f}, pass@{maj_k} {got.pass_at_k[maj_k]:.3f}, "
+            f"pass@1 {got.pass_at_k[1]:.3f} from {maj_k} samples per prompt at temperature {temperature:g} over "
+            f"{got.prompts} prompts ({got.unanswered} with no answer in any sample) in {time.time() - t0:.1f} s"
+        )
 
 
 main.add_command(theory)

@@ -5,7 +5,8 @@
 - the GC distribution (GCRecorder): the method's `coefficient` wrapped, the GC of every loss token of the effective
   mask kept (a random subsample past 200,000);
 - KL to the reference, the same way for every method (kl_to_reference);
-- pass@k from k sampled completions per held-out prompt, beside the greedy accuracy;
+- pass@k and maj@k (majority vote, where the task reads answers) from the same k sampled completions per held-out
+  prompt, beside the greedy accuracy;
 - the evaluation before the first step taken from an earlier run with the same start (reuse_start_evaluation).
 """
 
@@ -173,17 +174,20 @@ def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
 
 
 def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
-    """The finished run's KL to the reference and pass@k on (up to) 64 held-out prompts, with their times."""
+    """The finished run's KL to the reference, pass@k and maj@k on (up to) 64 held-out prompts, with their times.
+
+    maj@k is recorded as None where the run has no answer function (its own data scored by reward functions, or a task
+    without `answer`)."""
     t1 = time.perf_counter()
     out: dict[str, Any] = {"kl_ref": kl_to_reference(trainer, min(cfg.eval_samples, 64))}
     out["kl_s"] = time.perf_counter() - t1
     rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, 64))
-    if rows:  # pass@k beside greedy accuracy: k samples per held-out prompt
-        from gcfamily.run.evaluate import sampled_pass_at_k
+    if rows:  # pass@k and maj@k beside greedy accuracy: k samples per held-out prompt
+        from gcfamily.run.evaluate import sampled_eval, task_answer
 
         t2 = time.perf_counter()
         k = max(cfg.group_size, 1)
-        out["pass_at_k"] = sampled_pass_at_k(
+        sampled = sampled_eval(
             trainer.unwrapped_policy(),
             trainer.formatter,
             rows,
@@ -192,7 +196,9 @@ def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
             cfg.temperature,
             cfg.max_new_tokens,
             cfg.seed + 2,
+            answer=task_answer(trainer.task),
         )
+        out["pass_at_k"], out["maj_at_k"] = sampled.pass_at_k, sampled.maj_at_k
         out["pass_s"] = time.perf_counter() - t2
     return out
 

@@ -76,6 +76,7 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
     res["seed"] = cfg.get("seed")
     pk = {int(k): v for k, v in (extra.get("pass_at_k") or {}).items()}
     res["pass_at_1"], res["pass_at_k"], res["k"] = pk.get(1), pk.get(max(pk)) if pk else None, max(pk) if pk else None
+    res["maj_at_k"] = extra.get("maj_at_k")  # absent from results written before maj@k, None without an answer function
     res["prompts_seen"] = len(steps) * cfg["batch_size"] if "batch_size" in cfg else None
     params = extra.get("params")
     res["train_flops"] = (
@@ -104,7 +105,7 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "| method | data | steps | held-out acc before | after | pass@1 / pass@k | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
+        "| method | data | steps | held-out acc before | after | pass@1 / pass@k / maj@k | final reward | KL to ref | s/step | train tok/s | gen tok/s | peak MB | GC mean | GC abs mean | GC zero frac | GC p5 / p50 / p95 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -124,8 +125,8 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
                     str(r["steps"]),
                     fmt(r["accuracy_before"], ".3f"),
                     fmt(r["accuracy_after"], ".3f"),
-                    f"{fmt(r.get('pass_at_1'), '.3f')} / {fmt(r.get('pass_at_k'), '.3f')}"
-                    + (f" (k={r['k']})" if r.get("k") else ""),
+                    f"{fmt(r.get('pass_at_1'), '.3f')} / {fmt(r.get('pass_at_k'), '.3f')} / "
+                    f"{fmt(r.get('maj_at_k'), '.3f')}" + (f" (k={r['k']})" if r.get("k") else ""),
                     fmt(r["reward_final"], ".3f"),
                     fmt(r["kl_ref"], ".2g"),
                     fmt(r["step_s_median"], ".3g"),
@@ -145,7 +146,8 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
         "Held-out accuracy: greedy, each distinct prompt of the first `eval_samples` test rows once (with --dataset: the eval rows' accuracy where they carry an `answer`, else their mean reward). Final reward: mean of `reward/mean` over the last 3 steps "
         "(on-policy methods). KL to ref: mean k3 per token of one temperature-1 sample per held-out prompt from the final "
         "policy against the initial model. pass@1 / pass@k: k = group_size completions sampled per held-out prompt at the run's "
-        "temperature (unbiased estimator). s/step: median. Train tok/s: loss tokens over the step time outside sampling "
+        "temperature (unbiased estimator); maj@k: the share of those prompts whose most common answer among the same k samples "
+        "is right (a tie goes to the answer sampled first; - where the held-out rows have no answer function). s/step: median. Train tok/s: loss tokens over the step time outside sampling "
         "and scoring. Gen tok/s: completion tokens over sampling + scoring time. Peak MB: peak resident memory during "
         "training (GPU: allocated). GC: over every loss token of the run (gc.png).",
     ]

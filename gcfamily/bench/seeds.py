@@ -26,6 +26,7 @@ FIGURES = (
     "accuracy_after",
     "pass_at_1",
     "pass_at_k",
+    "maj_at_k",
     "reward_final",
     "kl_ref",
     "steps",
@@ -143,7 +144,7 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
         f"total {header['total_s']:.0f} s of runs.",
         "",
         f"| method | data | seeds | {figure} before | after (mean [95% CI over seeds]) | pooled after [Wilson 95%] | vs {baseline or '-'} (bootstrap over prompts and seeds, 95%) "
-        "| pass@1 / pass@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
+        "| pass@1 / pass@k / maj@k (sampled) | final reward | KL to ref | steps | prompts seen | tokens trained | tokens generated | train FLOPs | s/step | peak MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, a in agg.items():
@@ -172,7 +173,8 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
                     _ci(a["accuracy_after"]),
                     pooled_s,
                     vs,
-                    f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)}"
+                    f"{_ci(a['pass_at_1'], '.3f', False)} / {_ci(a['pass_at_k'], '.3f', False)} / "
+                    f"{_ci(a['maj_at_k'], '.3f', False)}"
                     + (f" (k={runs_k(per_method[m])})" if runs_k(per_method[m]) else ""),
                     _ci(a["reward_final"]),
                     _ci(a["kl_ref"], ".2g"),
@@ -198,7 +200,9 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
         "`eval_samples` test rows once. Before: one evaluation, shared by every run that starts from the same model. Intervals "
         "over seeds are Student t intervals of the per-seed figures (none with one seed). Pooled: correct answers over prompts x "
         "seeds, Wilson interval. pass@1 / pass@k: k = group_size completions sampled at the run's temperature per held-out prompt "
-        "(the unbiased estimator, averaged over prompts), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
+        "(the unbiased estimator, averaged over prompts), mean over seeds; maj@k: the share of those prompts whose most common "
+        "answer among the same k samples is right (a tie goes to the answer sampled first; - where the held-out rows have no "
+        "answer function), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
         "resample draws the held-out prompts with replacement (the same prompts for both methods: paired) and each method's seeds "
         "with replacement, apart (10,000 resamples, seed 0), so it holds the spread between training runs as well as the "
         "prompts'; significant when its 95% interval excludes 0. "

@@ -4,16 +4,32 @@ On a built-in task the reward is the task's and the figure is accuracy (the shar
 completion scores >= 1). On your own data (`gcf eval --dataset D --reward R`, or `eval_dataset`
 during training) the figures are the mean reward and, where the rows carry a reference `answer`,
 accuracy in the same sense; prompts go through the same Formatter as training.
+
+From K completions sampled per prompt (`sampled_eval`, one pass) come pass@1..K and Maj@K: the share of prompts
+whose majority answer is right. A sample's answer is read by the task's `answer` (Task.answer); the majority
+answer is the most common one among the samples that give an answer, a tie going to the tied answer that appears
+first among the K samples; a prompt none of whose samples gives an answer counts as wrong. The voted answer is
+right when a sample carrying it scores >= 1 under the reward. That is exact when the reward depends on a
+completion only through its answer, so that every sample carrying one answer scores the same: true of the
+built-in tasks (arithmetic and gsm8k read the number `numeric_match` reads, sorting the integers `sorting_reward`
+reads, countdown the value and numbers `countdown_reward` checks). For a reward that reads more than the answer,
+an answer some but not all of whose samples score >= 1 counts as right.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from gcfamily.data.formats import Formatter, encode
 from gcfamily.core.onednn import packed_linears
+from gcfamily.errors import GcfError
+
+Answer = Callable[[str], Optional[Hashable]]  # a completion's answer for the vote, None where it gives none
 
 
 @torch.no_grad()
@@ -86,8 +102,84 @@ def heldout_accuracy(
     )["eval/accuracy"]
 
 
+def majority_answer(answers: Sequence[Optional[Hashable]]) -> Optional[Hashable]:
+    """The most common answer among one prompt's samples (None votes for nothing); a tie goes to the tied answer that
+    appears first among the samples; None when no sample gives an answer."""
+    counts = Counter(a for a in answers if a is not None)  # in order of first appearance
+    best = max(counts.values(), default=0)
+    return next((a for a, c in counts.items() if c == best), None)
+
+
+def majority_right(answers: Sequence[Optional[Hashable]], correct: Sequence[bool]) -> bool:
+    """Whether one prompt's majority answer is right: a sample carrying it scored >= 1 (`correct`); False without one."""
+    voted = majority_answer(answers)
+    return voted is not None and any(ok for a, ok in zip(answers, correct) if a is not None and a == voted)
+
+
+def maj_at_k(answers: Sequence[Sequence[Optional[Hashable]]], correct: Sequence[Sequence[bool]]) -> float:
+    """Maj@K: the share of prompts whose majority answer is right; answers[i][j] and correct[i][j] are prompt i's
+    sample j's answer and whether it scored >= 1."""
+    return sum(majority_right(a, c) for a, c in zip(answers, correct)) / max(len(answers), 1)
+
+
+def task_answer(task: Any) -> Optional[Answer]:
+    """The task's `answer` where its class defines one (Task's default reads none), else None."""
+    from gcfamily.tasks.base import Task
+
+    if task is None or getattr(type(task), "answer", Task.answer) is Task.answer:
+        return None
+    return task.answer
+
+
+def answer_extractor(task: Any = None, answer: Optional[Answer] = None) -> Answer:
+    """What Maj@K votes with: `answer` when given, else the task's; GcfError when there is neither."""
+    found = answer if answer is not None else task_answer(task)
+    if found is not None:
+        return found
+    if task is not None:
+        raise GcfError(
+            f"Maj@K needs an answer extractor: task '{getattr(task, 'name', type(task).__name__)}' defines no "
+            "answer(completion) method; give it one that reads the answer its reward reads, or leave out Maj@K."
+        )
+    raise GcfError(
+        "Maj@K needs an answer extractor: rows scored by reward functions come with no function that reads the answer "
+        "out of a completion; evaluate a built-in task (--task), or pass answer=fn to sampled_eval from Python."
+    )
+
+
+def _answers(answer: Answer, completions: Sequence[str]) -> list[Optional[Hashable]]:
+    """answer(c) for each completion; a raising or unhashable answer is one sentence."""
+    name = getattr(answer, "__qualname__", type(answer).__name__)
+    out = []
+    for c in completions:
+        try:
+            a = answer(c)
+            hash(a)
+        except Exception as err:  # a user's function: its failure is theirs to fix, said in one sentence
+            raise GcfError(
+                f"the answer function '{name}' failed on the completion {c[:60]!r} ({type(err).__name__}: {err}); "
+                "it must return a hashable answer (a number, a string, a tuple) or None."
+            ) from None
+        out.append(a)
+    return out
+
+
+@dataclass
+class SampledEval:
+    """What k samples per prompt give: pass@1..k and, with an answer function, Maj@k."""
+
+    pass_at_k: dict[int, float]
+    """pass@j for j = 1..k, the unbiased estimator averaged over prompts."""
+    maj_at_k: Optional[float]
+    """The share of prompts whose majority answer is right; None without an answer function."""
+    prompts: int
+    """Prompts sampled."""
+    unanswered: int
+    """Prompts none of whose samples gave an answer (wrong under Maj@k); 0 without an answer function."""
+
+
 @torch.no_grad()
-def sampled_pass_at_k(
+def sampled_eval(
     model: Any,
     formatter: Formatter,
     rows: list[dict[str, Any]],
@@ -97,11 +189,13 @@ def sampled_pass_at_k(
     max_new_tokens: int = 32,
     seed: int = 0,
     batch_prompts: int = 16,
-) -> dict[int, float]:
-    """pass@j for j = 1..k: k sampled completions per prompt, c of them scoring >= 1, the unbiased estimator averaged over prompts.
+    answer: Optional[Answer] = None,
+) -> SampledEval:
+    """pass@1..k and (with `answer`, e.g. `answer_extractor(task)`) Maj@k from the same k sampled completions per prompt.
 
-    batch_prompts x k rows are sampled at once: 16 x 8 took 33-36 s for 64 sorting-short prompts on SmolLM2-135M (2 threads),
-    8 x 8 43-48 s."""
+    A sample is correct when it scores >= 1; pass@j is the unbiased estimator over the k samples, Maj@k as in the
+    module docstring. batch_prompts x k rows are sampled at once: 16 x 8 took 33-36 s for 64 sorting-short prompts on
+    SmolLM2-135M (2 threads), 8 x 8 43-48 s."""
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
     from gcfamily.core.stats import pass_at_k
@@ -111,7 +205,8 @@ def sampled_pass_at_k(
     model.eval()
     settings = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens)
     gen = torch.Generator().manual_seed(seed)
-    counts = []
+    correct: list[list[bool]] = []  # [prompts][k]
+    answers: list[list[Optional[Hashable]]] = []  # [prompts][k]
     with packed_linears(model, batch_prompts * k):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_prompts):
             part = data.rows[s : s + batch_prompts]
@@ -123,5 +218,29 @@ def sampled_pass_at_k(
             }
             scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
             ok = [(v and r >= 1.0) for r, v in zip(scored.rewards.tolist(), scored.valid.tolist())]
-            counts += [sum(ok[i * k : (i + 1) * k]) for i in range(len(part))]
-    return {j: sum(pass_at_k(k, c, j) for c in counts) / max(len(counts), 1) for j in range(1, k + 1)}
+            correct += [ok[i * k : (i + 1) * k] for i in range(len(part))]  # generate returns each prompt's k together
+            if answer is not None:
+                got = _answers(answer, out.completions)
+                answers += [got[i * k : (i + 1) * k] for i in range(len(part))]
+    n = len(correct)
+    return SampledEval(
+        pass_at_k={j: sum(pass_at_k(k, sum(c), j) for c in correct) / max(n, 1) for j in range(1, k + 1)},
+        maj_at_k=maj_at_k(answers, correct) if answer is not None else None,
+        prompts=n,
+        unanswered=sum(all(a is None for a in row) for row in answers),
+    )
+
+
+def sampled_pass_at_k(
+    model: Any,
+    formatter: Formatter,
+    rows: list[dict[str, Any]],
+    reward: Any,
+    k: int,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    batch_prompts: int = 16,
+) -> dict[int, float]:
+    """pass@j for j = 1..k from k sampled completions per prompt: `sampled_eval`'s pass_at_k."""
+    return sampled_eval(model, formatter, rows, reward, k, temperature, max_new_tokens, seed, batch_prompts).pass_at_k

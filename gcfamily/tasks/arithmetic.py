@@ -7,10 +7,11 @@ single-digit products and 19% of two-digit sums greedily, so the default
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 from gcfamily.errors import GcfError
-from gcfamily.rewards.verifiable import numeric_match
+from gcfamily.rewards.verifiable import _numeric_value, numeric_match
 from gcfamily.tasks.base import SPLITS, Task, check_fraction, check_split, lowest_hash_keys, shuffled
 
 # level -> (operator, operand range); each space is every ordered pair.
@@ -87,6 +88,14 @@ class ArithmeticTask(Task):
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """1.0 where the completion's final number equals the ``answer`` column."""
         return numeric_match(prompts, completions, **columns)
+
+    def answer(self, completion: str) -> Hashable | None:
+        """The number ``numeric_match`` reads (a float: "12" and "12.0" vote together); None where it reads none.
+
+        The reward depends on the completion only through this number, so equal answers score alike. Two numbers
+        equal within the reward's 1e-6 relative tolerance but not exactly equal vote apart.
+        """
+        return _numeric_value(completion)
 
     def __repr__(self) -> str:
         return f"ArithmeticTask(seed={self.seed}, level={self.level!r})"

@@ -67,7 +67,7 @@ class Task:
 
     Subclasses set ``name`` and ``description``, build their problems in
     ``__init__`` (deterministic given ``seed`` and options), and implement
-    ``split_rows`` and ``reward``.
+    ``split_rows`` and ``reward``; ``answer`` (optional) reads a completion's answer for Maj@K.
     """
 
     name: str = ""
@@ -102,6 +102,15 @@ class Task:
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """The task's default reward function (TRL signature)."""
         raise NotImplementedError
+
+    def answer(self, completion: str) -> Hashable | None:
+        """The answer a completion gives, read the way ``reward`` reads it, for majority voting (Maj@K); None: no answer.
+
+        Two completions with equal answers must get the same reward on a row, so that the vote's winner is right
+        exactly when the completions carrying it score >= 1. This default reads no answer: a task that does not
+        override it has no Maj@K (``run.evaluate.task_answer`` tells the two apart), rather than a Maj@K of zero.
+        """
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seed={self.seed})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
+from collections.abc import Hashable
 from fractions import Fraction
 from typing import Any
 
@@ -217,3 +218,15 @@ class CountdownTask(Task):
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """1.0 for a valid expression reaching the target (``countdown_reward``)."""
         return countdown_reward(prompts, completions, **columns)
+
+    def answer(self, completion: str) -> Hashable | None:
+        """(value, sorted numbers used) of the final expression, what ``countdown_reward`` checks; None if it does not parse.
+
+        Neither the expression's text nor its value alone. The value alone says little, as the target is in the
+        prompt, and the reward also checks the numbers used: a value vote would pool "(2 + 3) * 4" with "20", which
+        uses a number that was not given, and their common answer would be right for one and wrong for the other.
+        The text would split spellings of one solution ("(2 + 3) * 4", "4 * (3 + 2)") into separate votes. The
+        reward depends on the completion only through this pair, so equal answers score alike.
+        """
+        parsed = parse_expression(final_expression(completion))
+        return None if parsed is None else (parsed[0], tuple(sorted(parsed[1])))

@@ -8,10 +8,11 @@ points at the offline tasks.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from typing import Any
 
 from gcfamily.errors import GcfError
-from gcfamily.rewards.verifiable import numeric_match
+from gcfamily.rewards.verifiable import _numeric_value, numeric_match
 from gcfamily.tasks.base import Task, shuffled
 
 INSTRUCTION = "Solve the problem step by step, then write the final answer on the last line as 'Answer: <number>'."
@@ -67,3 +68,11 @@ class GSM8KTask(Task):
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """1.0 where the completion's final number equals the ``answer`` column."""
         return numeric_match(prompts, completions, **columns)
+
+    def answer(self, completion: str) -> Hashable | None:
+        """The number ``numeric_match`` reads (a float: "12" and "12.0" vote together); None where it reads none.
+
+        The reward depends on the completion only through this number, so equal answers score alike. Two numbers
+        equal within the reward's 1e-6 relative tolerance but not exactly equal vote apart.
+        """
+        return _numeric_value(completion)

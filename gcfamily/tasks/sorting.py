@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Hashable
 from typing import Any
 
 from gcfamily.errors import GcfError
@@ -94,3 +95,14 @@ class SortingTask(Task):
     def reward(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """1.0 on the exact sorted list; per-position partial credit when the task has ``partial=True``."""
         return sorting_reward(prompts, completions, partial=self.partial, **columns)
+
+    def answer(self, completion: str) -> Hashable | None:
+        """The integers the reward reads, as a tuple; None where there are none or one is an over-long digit run.
+
+        The reward depends on the completion only through ``parse_ints``, so equal tuples score alike (with
+        ``partial=True`` too; Maj@K counts only a full score as right). An over-long run (more than 30 digits) reads
+        as None, which would make two different huge numbers one answer: such a completion does not vote instead
+        (it scores 0 unless the reference holds such a run too, i.e. max_value >= 10**30).
+        """
+        got = parse_ints(completion)
+        return tuple(got) if got and None not in got else None
