@@ -43,6 +43,7 @@ from gcfamily.check.builders import (
     build_online_pairs,
     build_pairs,
     build_ppo,
+    build_process,
     build_unpaired,
 )
 from gcfamily.check.world import (
@@ -221,6 +222,28 @@ FAMILIES: dict[str, Family] = {
             "token_advantages": {GRPO_: ""},
             "prepare": {GRPO_: ""},
             "after_step": {GRPO_: "", RB_: ""},
+            **CLIP_HOOKS,
+        },
+        True,
+    ),
+    M + "grpo_ps.GRPOProcess": Family(
+        "on-policy groups with step rewards (process supervision)",
+        build_process,
+        lambda c: [
+            ("defaults", {}),
+            ("clip and KL", {"mu": 2, "beta": 0.04}),
+            (
+                "population std, std_eps, zero_std exclude, token",
+                {"std": "population", "std_eps": 1e-3, "zero_std": "exclude", "loss_norm": "token"},
+            ),
+            ("minibatches, k1, sum", {"num_minibatches": 2, "beta": 0.04, "kl_estimator": "k1", "loss_norm": "sum"}),
+        ],
+        SURROGATE + "; A_t = sum of the group-normalised step rewards ending at or after t",
+        {
+            "add_advantages": {M + "grpo_ps.GRPOProcess": ""},
+            "token_advantages": {M + "grpo_ps.GRPOProcess": ""},
+            "prepare": {GRPO_: ""},
+            "after_step": {GRPO_: ""},
             **CLIP_HOOKS,
         },
         True,

@@ -12,7 +12,15 @@ from typing import Any, Callable
 
 import torch
 
-from gcfamily.check.textbook import PIVOT, Textbook, _aggregate, _groups_textbook, _pairs_textbook, _ppo_textbook
+from gcfamily.check.textbook import (
+    PIVOT,
+    Textbook,
+    _aggregate,
+    _groups_textbook,
+    _pairs_textbook,
+    _ppo_textbook,
+    _process_textbook,
+)
 from gcfamily.check.world import FAILED, FAR, REWARDS, WARMUP, G, L, N, StubCritic, StubServices, World, make
 from gcfamily.methods.base import Batch, Method
 
@@ -106,6 +114,37 @@ def build_groups(
     raw = _scored(world, REWARDS)
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
     return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
+
+
+# steps per output (score of each, in order; an empty list: no step scored) for 4 prompts x G = 4: group 0 mixes
+# several steps and an output with none, group 1 has one step each (outcome-like) with distinct rewards, group 2
+# holds the failed sample, group 3's step rewards are all equal (away from FAR, whose KL must stay in Z)
+STEPS = [
+    [1.0, 0.0, 1.0], [], [0.5, 1.0], [0.0],
+    [1.0], [0.0], [0.25], [0.6],
+    [1.0, 1.0], [0.3], [0.0, 0.2, 0.9], [0.7],
+    [0.5], [0.5, 0.5], [0.5], [0.5, 0.5, 0.5],
+]  # fmt: skip
+
+
+def build_process(
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+) -> Built:
+    """On-policy groups with step rewards (process supervision): STEPS placed on each output's completion tokens,
+    the last step on its last token, through the method's own setup and prepare."""
+    m, stub = _onpolicy(cls, settings, world)
+    _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
+    m.setup(stub)  # type: ignore[arg-type]
+    raw = _scored(world, [sum(x) for x in STEPS])
+    R, at = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
+    for i, scores in enumerate(STEPS):
+        pos = world.positions(i)
+        for j, sc in enumerate(scores):  # steps spread over the completion, the last one on its last token
+            t = pos[len(pos) * (j + 1) // len(scores) - 1]
+            R[i, t], at[i, t] = sc, True
+    raw = {**raw, "step_rewards": R, "step_mask": at}
+    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
+    return Built(m, batch, None if tb is None else (lambda lp: _process_textbook(lp, raw, stub, m, tb)))
 
 
 def build_ppo(

@@ -165,6 +165,43 @@ def _groups_textbook(
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
 
 
+def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
+    """Process supervision (DeepSeekMath 4.1.3): every step reward of a group's valid outputs normalised together,
+    r~ = (r - mean) / (std + std_eps), and a token's advantage the sum of r~ over its output's steps that end at or
+    after it; a group whose step rewards are all equal (or fewer than two) gets none; then the clipped surrogate."""
+    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
+    lp, valid = lp_all[ids], raw["valid"].bool()
+    old = stub.logprobs(stub.policy_model, raw).double()
+    ref = stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    R, at = raw["step_rewards"].double(), raw["step_mask"].bool()
+    A, equal = torch.zeros(R.shape, dtype=torch.float64), torch.zeros(len(R), dtype=torch.bool)
+    br = Counter({"failed rewards": int((~valid).sum())})
+    sample = s.std == "sample"
+    for g in range(len(R) // G):
+        steps = [(i, t) for i in range(g * G, (g + 1) * G) if valid[i] for t in range(R.shape[1]) if at[i, t]]
+        r = torch.stack([R[i, t] for i, t in steps]) if steps else torch.zeros(0, dtype=torch.float64)
+        if len(r) < 2 or bool((r == r[0]).all()):
+            equal[g * G : (g + 1) * G] = True
+            br["equal-reward groups"] += 1
+            continue
+        scale = float(r.std(unbiased=sample)) + s.std_eps
+        for (i, t), v in zip(steps, r):
+            A[i, : t + 1] += (v - r.mean()) / scale  # every token at or before the step's last one
+    per_row = (at & valid[:, None]).sum(-1)
+    br["outputs with several steps"] = int(((per_row > 1) & valid).sum())
+    br["valid outputs with no step"] = int(((per_row == 0) & valid).sum())
+    rows = valid & ~(equal if s.zero_std == "exclude" else torch.zeros_like(valid))
+    br["equal-reward groups out of Z"] += int((equal & ~rows & valid).any()) if s.zero_std == "exclude" else 0
+    on = mask.bool() & rows[:, None]
+    br["tokens with A > 0"], br["tokens with A < 0"] = int(((A > 0) & on).sum()), int(((A < 0) & on).sum())
+    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br)
+    several = m.inner_epochs() > 1 or m.num_minibatches() > 1
+    req = {"failed rewards", "tokens with A > 0", "tokens with A < 0", "equal-reward groups"}
+    req |= {"outputs with several steps", "valid outputs with no step"} | _clip_required(s, several, False)
+    req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" else set()
+    return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
+
+
 def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
     """GAE (Schulman et al. 2016) on the reward at the last token minus beta * KL_t at pi_old (kl_placement=reward),
     whitened over the step's valid tokens, in the clipped surrogate."""

@@ -42,6 +42,7 @@ METHODS: dict[str, str] = {
     "simpo": "gcfamily.methods.dpo:SimPO",
     "rft": "gcfamily.methods.rft:RFT",
     "grpo": "gcfamily.methods.grpo:GRPO",
+    "grpo-ps": "gcfamily.methods.grpo_ps:GRPOProcess",
     "rloo": "gcfamily.methods.grpo_variants:RLOO",
     "dr-grpo": "gcfamily.methods.grpo_variants:DrGRPO",
     "dapo": "gcfamily.methods.grpo_variants:DAPO",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,6 +31,10 @@ from gcfamily.rollout import SamplingSettings, context_length
 
 class OnPolicy(Method):
     """Base of the methods that train on their own samples; subclasses write prepare/coefficient."""
+
+    reads_steps: ClassVar[bool] = False
+    """True for a method that uses step scores (process supervision): data() then adds step_rewards and step_mask;
+    otherwise a reward that scores steps is refused in one sentence."""
 
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
     data_kind = "prompts"
@@ -102,8 +107,10 @@ class OnPolicy(Method):
             specs = list(services.reward_functions)
         if specs:
             return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
-        if task is not None:
-            return Rewards([Term(getattr(task, "name", "") or "task", fn=task.reward, weight=weight)])
+        if task is not None:  # a method that reads steps takes the task's process reward where it has one
+            steps = getattr(task, "process_reward", None) if self.reads_steps else None
+            name = (getattr(task, "name", "") or "task") + ("_steps" if steps is not None else "")
+            return Rewards([Term(name, fn=steps or task.reward, weight=weight)])
         raise GcfError(
             f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset."
         )
@@ -127,6 +134,8 @@ class OnPolicy(Method):
         scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)
         reward_s = time.perf_counter() - t0
         rewards, valid, errors = scored.rewards, scored.valid, scored.errors  # [N], [N]
+        if not self.reads_steps:
+            scored.require_outcome(self.name)
         # Every sample failed? Decided over all processes: one rank's failures alone leave it a step without gradient,
         # and a run that is stopping anyway (its samples abandoned) stops at its checkpoint instead.
         counts = services.all_sum(torch.tensor([float(valid.sum()), float(stopping())]))
@@ -146,6 +155,15 @@ class OnPolicy(Method):
             "prompt_index": ro.prompt_index.cpu(),  # [N]
             "completions": ro.completions,
         }
+        if self.reads_steps:  # each step's reward on the token holding its last character: [N, L] each
+            batch["step_rewards"], batch["step_mask"], unplaced = place_steps(
+                services.tokenizer, scored, ids, ro.completions, batch["loss_mask"]
+            )
+            batch["valid"] = valid = valid & ~unplaced
+            errors = errors + [
+                f"the steps of sample {i} could not be placed on its tokens"
+                for i in unplaced.nonzero().flatten().tolist()
+            ]
         stats: Stats = {
             "reward/mean": mean,
             "reward/std": math.sqrt(float((((rewards - mean) * ok) ** 2).sum()) / n_ok),
@@ -182,6 +200,52 @@ class OnPolicy(Method):
     def logprob_temperature(self) -> float:
         """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""
         return self.cfg.temperature
+
+
+def place_steps(
+    tokenizer: Any, scored: Any, completion_ids: list[list[int]], texts: list[str], loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """step_rewards and step_mask [N, L]: each step's weighted reward on the completion token that holds the step's
+    last character (a number is one step on the last token), and [N] the samples whose text cannot be laid on their
+    tokens exactly (a decoded prefix that is not a prefix of the text), which are then invalid.
+
+    Token j of a completion covers the characters between len(decode(ids[:j])) and len(decode(ids[:j+1])), decoded as
+    the rollout decodes (skip_special_tokens); a step ending at character e lands on the first token whose prefix
+    reaches e."""
+    N, L = loss_mask.shape
+    rewards, mask = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
+    unplaced = torch.zeros(N, dtype=torch.bool)
+    if scored.steps is not None:
+        steps = scored.steps
+    else:  # outcome rewards only: one step on each valid sample's last token
+        steps = [
+            [(max(len(t), 1), r)] if ok else []
+            for t, r, ok in zip(texts, scored.rewards.tolist(), scored.valid.tolist())
+        ]
+    for i, row in enumerate(steps):
+        if not row:
+            continue
+        positions = loss_mask[i].nonzero().flatten().tolist()  # where the completion's tokens sit in the row
+        ids, text = completion_ids[i], texts[i]
+        ends = []  # characters covered by tokens 0..j
+        for j in range(len(ids)):
+            prefix = tokenizer.decode(ids[: j + 1], skip_special_tokens=True)
+            if len(prefix) < len(text) and not text.startswith(prefix):
+                unplaced[i] = True
+                break
+            ends.append(len(prefix))
+            if len(prefix) >= len(text):
+                break
+        for end, score in [] if unplaced[i] else row:
+            j = next((k for k, e in enumerate(ends) if e >= end), None)
+            if j is None or j >= len(positions):
+                unplaced[i] = True
+                break
+            rewards[i, positions[j]] += score
+            mask[i, positions[j]] = True
+        if unplaced[i]:
+            rewards[i], mask[i] = 0.0, False
+    return rewards, mask, unplaced
 
 
 def masked_group_stats(

@@ -226,7 +226,27 @@ def _plain(value: Any) -> Any:
                 return float(item)
         except Exception:
             pass
-    return shorten(repr(value))
+    steps = _plain_steps(value)
+    return steps if steps is not None else shorten(repr(value))
+
+
+MAX_STEPS = 100_000
+"""Step scores one completion may carry back from the worker (process supervision); past it the value is invalid."""
+
+
+def _plain_steps(value: Any) -> list[tuple[Any, Any]] | None:
+    """A step list [(end, score), ...] (rewards/scoring.py) with plain numbers, or None when the value is not one."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence) or len(value) > MAX_STEPS:
+        return None
+    out = []
+    for item in value:
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+            return None
+        end, score = (_plain(x) for x in item)
+        if isinstance(end, str) or isinstance(score, str) or isinstance(end, list) or isinstance(score, list):
+            return None
+        out.append((end, score))
+    return out
 
 
 def _die_with_parent(parent: int) -> None:
