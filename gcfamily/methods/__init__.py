@@ -41,6 +41,7 @@ METHODS: dict[str, str] = {
     "cdpo": "gcfamily.methods.dpo:ConservativeDPO",
     "simpo": "gcfamily.methods.dpo:SimPO",
     "rft": "gcfamily.methods.rft:RFT",
+    "rft-offline": "gcfamily.methods.rft:OfflineRFT",
     "grpo": "gcfamily.methods.grpo:GRPO",
     "grpo-ps": "gcfamily.methods.grpo_ps:GRPOProcess",
     "rloo": "gcfamily.methods.grpo_variants:RLOO",

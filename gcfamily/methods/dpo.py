@@ -20,6 +20,7 @@ changes both the reward and the margin, overrides the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,10 @@ import torch.nn.functional as F
 from gcfamily.config import Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
+from gcfamily.data.formats import encode
 from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
+from gcfamily.methods.onpolicy import make_rewards, sampling_of
+from gcfamily.methods.pools import Pool, draw, pairs_of, pool_for
 from gcfamily.methods.services import Services
 from gcfamily.data.preferences import preference_rows
 
@@ -55,6 +59,17 @@ class DPO(Method):
     class Settings(MethodSettings):
         beta: float = 0.1
         """DPO's temperature: the implicit reward is beta * sum_t log(pi/pi_ref) (not a KL weight; smaller keeps closer to pi_ref)."""
+        pairs: str = "dataset"
+        """Where the pairs come from: dataset (the dataset's, or the task's answer against a wrong one) or own-samples:
+        G samples per training prompt drawn once from the initial policy and scored by the reward, the first scoring
+        >= reward_threshold paired with the first scoring below it (DeepSeekMath 5.2's DPO); prompts without such a
+        pair are skipped and counted."""
+        reward_threshold: float = 0.5
+        """pairs=own-samples: a sample at or above it is a chosen one, below it a rejected one."""
+        pool: Optional[str] = None
+        """pairs=own-samples: the pools/dpo-pairs.jsonl of an earlier run to pair exactly; none: draw at setup."""
+        pool_prompts: int = 0
+        """pairs=own-samples: training prompts to sample (a seeded choice); 0 = every training prompt."""
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -65,17 +80,27 @@ class DPO(Method):
             raise GcfError(
                 f"{cfg.method} sums log-probs over each completion; loss_norm must be sum (got {cfg.loss_norm})."
             )
+        if getattr(s, "pairs", "dataset") not in ("dataset", "own-samples"):
+            raise GcfError(f"pairs={s.pairs} is not a source of pairs; use dataset or own-samples.")
+        if getattr(s, "pool_prompts", 0) < 0:
+            raise GcfError(f"pool_prompts={s.pool_prompts} must be >= 0 (0 = every training prompt).")
 
     # -- data ------------------------------------------------------------------------
     @classmethod
     def task_rows(cls, task, cfg: Config, split: str = "train") -> list[dict]:  # type: ignore[no-untyped-def]
+        if getattr(cfg.settings, "pairs", "dataset") == "own-samples":
+            return task.rows(split)  # its prompts: the pairs are the initial policy's own samples
         return preference_rows(task, None, cfg.seed, split=split)  # the task's answer vs a wrong or malformed one
 
     def setup(self, services: Services) -> None:
         super().setup(services)
-        data = self.load_data(services)
-        self.pairs, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(services.tokenizer)
+        self.pool_stats: Stats = {}
+        if getattr(self.settings, "pairs", "dataset") == "own-samples":
+            self.pairs, self.skipped = self._own_pairs(services)
+        else:
+            data = self.load_data(services)
+            self.pairs, self.skipped = data.examples, data.n_skipped
         self.ref: dict[tuple[int, int], torch.Tensor] = {}
         self.ref_model = None  # pi_ref kept to score pairs as the steps reach them (an open budget over a large pool)
         if self.uses_reference:
@@ -91,6 +116,50 @@ class DPO(Method):
                 # setup runs before any update (and before a resumed checkpoint is loaded), so the policy here IS the
                 # reference: no copy is made and no reference model stays in memory
                 self.ref = self._reference_logps(services.policy(), sorted(set(epoch_indices(n, cfg.seed, 0, reach))))
+
+    def _own_pairs(self, services: Services) -> tuple[list[tuple[list[int], list[int], list[int]]], int]:
+        """pairs=own-samples: the initial policy's samples of the training prompts (drawn here, before any update, or
+        read from the run folder or the pool setting), each prompt's first kept sample against its first rejected one."""
+        cfg, s = self.cfg, self.settings
+        data = encode(
+            "prompts", services.training_rows(), services.formatter, cfg.max_length, cfg.long_prompts, self.name
+        )
+        n, k = len(data.examples), s.pool_prompts
+        chosen = sorted(epoch_indices(n, cfg.seed, 0, k)) if 0 < k < n else list(range(n))
+
+        def make() -> Pool:
+            reward = make_rewards(cfg, services, self.name)
+            try:
+                rows = [data.rows[i] for i in chosen]
+                drawn = draw(
+                    services,
+                    [data.examples[i] for i in chosen],
+                    rows,
+                    cfg.group_size,
+                    sampling_of(cfg),
+                    reward,
+                    cfg.batch_size,
+                )
+            finally:
+                if hasattr(reward, "close"):
+                    reward.close()
+            drawn.prompt_index = [chosen[i] for i in drawn.prompt_index]
+            return drawn
+
+        pool = pool_for(
+            services, "dpo-pairs", s.pool, make, resumed=False
+        )  # setup is before any update, resumed or not
+        if any(p >= n for p in pool.prompt_index):
+            raise GcfError("The pool holds prompts this run does not have; pass a pool drawn on the same data.")
+        pairs, unpaired = pairs_of(pool, s.reward_threshold)
+        if not pairs:
+            raise GcfError(
+                f"No prompt of the pool has both a sample scoring >= reward_threshold={s.reward_threshold} and one below; "
+                "change reward_threshold or group_size, or train on the dataset's pairs."
+            )
+        self.pool_stats = {"dpo/pool_pairs": float(len(pairs)), "dpo/pool_unpaired_prompts": float(unpaired)}
+        out = [(data.examples[p], pool.completion_ids[w], pool.completion_ids[lo]) for p, w, lo in pairs]
+        return out, data.n_skipped
 
     def _reference_logps(self, model, pairs: list[int]) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
         """pi_ref log-probs of the completion tokens of the given pairs (chosen and rejected), by `model` as pi_ref."""
@@ -137,7 +206,7 @@ class DPO(Method):
                 start = len(self.pairs[i][0])
                 ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
             batch["ref_logps"] = ref
-        return batch, {"skipped_long_prompts": float(self.skipped)}
+        return batch, {"skipped_long_prompts": float(self.skipped), **self.pool_stats}
 
     # -- the rule --------------------------------------------------------------------
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

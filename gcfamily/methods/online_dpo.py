@@ -43,6 +43,10 @@ class OnlineDPO(DPO, OnPolicy):
         super().validate(cfg)  # DPO's: beta > 0, loss_norm sum
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
+        if cfg.settings.pairs != "dataset":
+            raise GcfError(
+                f"{cls.name} pairs the current policy's samples at every step; pairs={cfg.settings.pairs} is DPO's setting."
+            )
 
     def setup(self, services: Services) -> None:
         OnPolicy.setup(self, services)  # prompts and the reward; DPO's offline pairs are not loaded

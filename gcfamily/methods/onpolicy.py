@@ -74,46 +74,11 @@ class OnPolicy(Method):
             self.rows, self.prompt_tokens = [self.rows[i] for i in fits], [self.prompt_tokens[i] for i in fits]
         self.reward_fn: RewardFn = self.build_reward_fn()
         self.warned_reward = False
-        self.sampling = SamplingSettings(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens,
-            stop_strings=tuple(cfg.stop_strings),
-            compile=cfg.rollout_compile,
-        )
+        self.sampling = sampling_of(cfg)
 
     def build_reward_fn(self) -> Rewards:
-        """The reward hook: --reward-model DIR, --reward (one or several, weighted by reward_weights), else the task's reward.
-
-        A trained reward model (`gcf run --method reward-model`), the task's reward and the built-in
-        rewards run in this process; module:function and file.py:function rewards run in a worker
-        process (rewards/guard.py), each call limited to reward_timeout seconds.
-        """
-        cfg, services = self.cfg, self.services
-        task = services.task
-        specs = reward_specs(cfg.reward)
-        weight = float(cfg.reward_weights[0]) if cfg.reward_weights else 1.0  # a single reward's weight
-        if cfg.reward_model:
-            if specs:
-                raise GcfError(
-                    f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model."
-                )
-            from gcfamily.rewards.model import load_reward_model
-
-            fn = load_reward_model(cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size)
-            return Rewards([Term("reward_model", fn=fn, weight=weight)])
-        if services.reward_functions is not None:  # objects from Python: functions run in this process
-            specs = list(services.reward_functions)
-        if specs:
-            return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
-        if task is not None:  # a method that reads steps takes the task's process reward where it has one
-            steps = getattr(task, "process_reward", None) if self.reads_steps else None
-            name = (getattr(task, "name", "") or "task") + ("_steps" if steps is not None else "")
-            return Rewards([Term(name, fn=steps or task.reward, weight=weight)])
-        raise GcfError(
-            f"{self.name} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset."
-        )
+        """The reward hook (`make_rewards`); a method that reads steps takes the task's process reward."""
+        return make_rewards(self.cfg, self.services, self.name, self.reads_steps)
 
     # -- the data source -------------------------------------------------------------
     def data(self, step: int) -> tuple[Batch, Stats]:
@@ -200,6 +165,49 @@ class OnPolicy(Method):
     def logprob_temperature(self) -> float:
         """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""
         return self.cfg.temperature
+
+
+def make_rewards(cfg: Config, services: Services, method: str, steps: bool = False) -> Rewards:
+    """The run's reward: --reward-model DIR, --reward (one or several, weighted by reward_weights), else the task's
+    (its process reward when `steps` and it has one).
+
+    A trained reward model (`gcf run --method reward-model`), the task's reward and the built-in rewards run in this
+    process; module:function and file.py:function rewards run in a worker process (rewards/guard.py), each call
+    limited to reward_timeout seconds.
+    """
+    task = services.task
+    specs = reward_specs(cfg.reward)
+    weight = float(cfg.reward_weights[0]) if cfg.reward_weights else 1.0  # a single reward's weight
+    if cfg.reward_model:
+        if specs:
+            raise GcfError(
+                f"Both reward={cfg.reward} and reward_model={cfg.reward_model} were given; pass one of --reward and --reward-model."
+            )
+        from gcfamily.rewards.model import load_reward_model
+
+        fn = load_reward_model(cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size)
+        return Rewards([Term("reward_model", fn=fn, weight=weight)])
+    if services.reward_functions is not None:  # objects from Python: functions run in this process
+        specs = list(services.reward_functions)
+    if specs:
+        return Rewards.from_specs(specs, cfg.reward_weights, cfg.reward_timeout)
+    if task is not None:
+        process = getattr(task, "process_reward", None) if steps else None
+        name = (getattr(task, "name", "") or "task") + ("_steps" if process is not None else "")
+        return Rewards([Term(name, fn=process or task.reward, weight=weight)])
+    raise GcfError(f"{method} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset.")
+
+
+def sampling_of(cfg: Config) -> SamplingSettings:
+    """The run's sampling settings."""
+    return SamplingSettings(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_strings=tuple(cfg.stop_strings),
+        compile=cfg.rollout_compile,
+    )
 
 
 def place_steps(

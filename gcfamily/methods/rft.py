@@ -1,4 +1,5 @@
-"""Rejection sampling fine-tuning, online: sample, keep what clears the reward threshold, imitate it.
+"""Rejection sampling fine-tuning: sample, keep what clears the reward threshold, imitate it. RFT samples the current
+policy at every step (DeepSeekMath's Online RFT); OfflineRFT (`rft-offline`) samples the initial policy once.
 
 Objective (DeepSeekMath 5.2.1, "RFT"/"Online RFT"), maximised:
 
@@ -13,19 +14,24 @@ that keeps nothing has a zero gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from gcfamily.config import MethodSettings
+from gcfamily.data.batches import collate, default_pad_id, epoch_indices
+from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.onpolicy import OnPolicy
+from gcfamily.methods.pools import Pool, draw, pool_for
+from gcfamily.methods.services import Services
 
 
 class RFT(OnPolicy):
     """Online rejection sampling: the policy's own samples, kept if correct, trained with GC = 1."""
 
     name = "rft"
-    data_source = "the policy's own samples, kept if reward >= reward_threshold"
+    data_source = "the current policy's samples, drawn every step, kept if reward >= reward_threshold"
     gc_formula = "1[o kept] = 1[reward(o) >= reward_threshold]"
     default_norm = "token"
 
@@ -46,3 +52,75 @@ class RFT(OnPolicy):
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         return self.aggregate(batch["kept"].float()[:, None] * logps, batch, Z)
+
+
+class OfflineRFT(RFT):
+    """Rejection sampling, offline (DeepSeekMath 5.2.1's RFT): G samples per training prompt drawn once from the initial
+    policy (gcfamily/methods/pools.py), then every step trains on its prompts' samples with RFT's rule, GC = 1[kept].
+
+    The rule, the normaliser and the checks are online RFT's; only the data source differs: the step's samples are
+    read from the pool instead of drawn from the current policy. The pool is drawn at the first step (before any
+    update) and saved in the run folder (pools/rft-offline.jsonl); `--resume` reads it, and `pool=PATH` trains on
+    an earlier run's pool exactly.
+    """
+
+    name = "rft-offline"
+    data_source = "the initial policy's samples, drawn once: G per training prompt, kept if reward >= reward_threshold"
+
+    @dataclass
+    class Settings(RFT.Settings):
+        pool: Optional[str] = None
+        """The pools/rft-offline.jsonl of an earlier run to train on exactly (same prompts and tokenizer); none: draw the
+        pool from this run's initial policy at its first step."""
+        pool_prompts: int = 0
+        """Training prompts the pool samples G completions of (a seeded choice); 0 = every training prompt."""
+
+    def setup(self, services: Services) -> None:
+        super().setup(services)  # the prompts, the reward and the sampling settings, as online RFT's
+        if self.settings.pool_prompts < 0:
+            raise GcfError(f"pool_prompts={self.settings.pool_prompts} must be >= 0 (0 = every training prompt).")
+        self.pool: Optional[Pool] = None
+        self.resumed = False
+        n, k = len(self.prompt_tokens), self.settings.pool_prompts
+        self.pool_prompts = sorted(epoch_indices(n, self.cfg.seed, 0, k)) if 0 < k < n else list(range(n))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.resumed = True  # the pool must be this run's own: never redrawn from a trained policy
+
+    def _pool(self) -> Pool:
+        if self.pool is None:
+            services, cfg = self.services, self.cfg
+
+            def make() -> Pool:
+                prompts = [self.prompt_tokens[i] for i in self.pool_prompts]
+                rows = [self.rows[i] for i in self.pool_prompts]
+                drawn = draw(services, prompts, rows, cfg.group_size, self.sampling, self.reward_fn, cfg.batch_size)
+                drawn.prompt_index = [self.pool_prompts[i] for i in drawn.prompt_index]
+                return drawn
+
+            self.pool = pool_for(services, self.name, self.settings.pool, make, self.resumed)
+            self.pad_id = default_pad_id(services.tokenizer)
+            if any(p >= len(self.prompt_tokens) for p in self.pool.prompt_index):
+                raise GcfError("The pool holds prompts this run does not have; pass a pool drawn on the same data.")
+            self.samples: dict[int, list[int]] = {}
+            for k, p in enumerate(self.pool.prompt_index):
+                self.samples.setdefault(p, []).append(k)
+            self.order = sorted(self.samples)
+        return self.pool
+
+    def data(self, step: int) -> tuple[Batch, Stats]:
+        """The step's batch_size prompts of the pool (deterministic in seed and step), all their pooled samples."""
+        pool = self._pool()
+        prompts = [self.order[i] for i in self.step_indices(len(self.order), step)]
+        ks = [k for p in prompts for k in self.samples[p]]
+        batch: Batch = collate(
+            [(self.prompt_tokens[pool.prompt_index[k]], pool.completion_ids[k]) for k in ks], self.pad_id
+        )
+        batch["rewards"] = torch.tensor([pool.rewards[k] for k in ks], dtype=torch.float32)  # [N]
+        batch["valid"] = torch.tensor([pool.valid[k] for k in ks], dtype=torch.bool)  # [N]
+        batch["prompt_index"] = torch.tensor([prompts.index(pool.prompt_index[k]) for k in ks])  # [N]
+        batch["completions"] = [pool.completions[k] for k in ks]
+        thr = self.settings.reward_threshold
+        kept = sum(1 for k in range(len(pool)) if pool.valid[k] and pool.rewards[k] >= thr)
+        return batch, {"rft/pool_samples": float(len(pool)), "rft/pool_kept_frac": kept / max(len(pool), 1)}

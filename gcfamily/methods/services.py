@@ -10,6 +10,7 @@ only what differs. tests/test_services.py checks each implementation against the
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
@@ -87,6 +88,11 @@ class Services(Protocol):
         """Forwards in the run's compute dtype (a method's own model outside the trainer's passes)."""
         ...
 
+    def run_file(self, name: str) -> Optional[Path]:
+        """The path of a file of the run folder where the method keeps data of its own (a pool of samples), removed by
+        --overwrite with the rest of the run; None where there is no run folder. Only the main process writes."""
+        ...
+
 
 class LocalServices:
     """The parts of Services that are the same for every single-process implementation; subclass and add the rest."""
@@ -121,3 +127,6 @@ class LocalServices:
 
     def training_rows(self) -> list[dict[str, Any]]:
         return self.task.rows("train") if self.task is not None else []
+
+    def run_file(self, name: str) -> Optional[Path]:
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -122,3 +123,6 @@ class RunServices(LocalServices):
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self._trainer.autocast()
+
+    def run_file(self, name: str) -> Optional[Path]:
+        return self._trainer.out_dir / name

@@ -55,6 +55,7 @@ RUN_FILES = (
     "adapter",
     "reward_model.json",
     "value_head.safetensors",
+    "pools",
 )
 """What a gcfamily run writes; --overwrite removes these (and model-*.safetensors shards), nothing else."""
 
