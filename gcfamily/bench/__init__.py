@@ -340,9 +340,17 @@ def run_bench(
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
 @click.option(
     "--task",
-    default="arithmetic",
+    default=None,
+    help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, "
+    "OUT/TASK/); default arithmetic (chained with --suite unified).",
+)
+@click.option(
+    "--suite",
+    type=click.Choice(["default", "unified"]),
+    default="default",
     show_default=True,
-    help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, OUT/TASK/).",
+    help="default: the methods from the base model on one budget; unified: DeepSeekMath 5.2.2's comparison, every method "
+    "from one SFT model on the same prompts, with the paper's four findings (gcfamily/bench/unified.py).",
 )
 @click.option(
     "--budget",
@@ -411,7 +419,8 @@ def run_bench(
 def bench(
     methods: Optional[str],
     model: Optional[str],
-    task: str,
+    task: Optional[str],
+    suite: str,
     budget: Optional[str],
     quick: bool,
     out: Optional[str],
@@ -429,6 +438,31 @@ def bench(
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
     from gcfamily.config import parse_sets
 
+    if suite == "unified":
+        given = [
+            n
+            for n, v in (
+                ("--methods", methods),
+                ("--budget", budget),
+                ("--baseline", baseline),
+                ("--sweep", sweep),
+                ("--dataset", dataset),
+            )
+            if v
+        ]
+        if given:
+            raise GcfError(
+                f"{given[0]} does not go with --suite unified: its methods, budget and control are the paper's."
+            )
+        from gcfamily.bench.unified import run_unified
+
+        folder = Path(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
+        res = run_unified(folder, quick, seeds, parse_sets(sets), threads, click.echo, fresh, replace_runs, model, task)
+        failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
+        if failed:
+            raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")
+        return
+    task = task or "arithmetic"
     if dataset is None and (eval_dataset or reward):
         raise GcfError(
             "--eval-dataset and --reward go with --dataset (a built-in task brings its own held-out prompts and reward)."

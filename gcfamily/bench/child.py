@@ -199,6 +199,10 @@ def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
             answer=task_answer(trainer.task),
         )
         out["pass_at_k"], out["maj_at_k"] = sampled.pass_at_k, sampled.maj_at_k
+        out["sampled_k"], out["sampled_per_prompt"] = (
+            k,
+            sampled.per_prompt,
+        )  # paired comparisons (gcf bench --suite unified)
         out["pass_s"] = time.perf_counter() - t2
     return out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -176,6 +176,9 @@ class SampledEval:
     """Prompts sampled."""
     unanswered: int
     """Prompts none of whose samples gave an answer (wrong under Maj@k); 0 without an answer function."""
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    """Per prompt, in order: its text, how many of the k samples scored >= 1, and whether its majority answer was right
+    (None without an answer function), for paired comparisons across runs."""
 
 
 @torch.no_grad()
@@ -223,11 +226,20 @@ def sampled_eval(
                 got = _answers(answer, out.completions)
                 answers += [got[i * k : (i + 1) * k] for i in range(len(part))]
     n = len(correct)
+    details = [
+        {
+            "prompt": str(row["prompt"]),
+            "correct": sum(c),
+            "maj_right": majority_right(a, c) if answer is not None else None,
+        }
+        for row, c, a in zip(data.rows, correct, answers if answer is not None else [[]] * n)
+    ]
     return SampledEval(
         pass_at_k={j: sum(pass_at_k(k, sum(c), j) for c in correct) / max(n, 1) for j in range(1, k + 1)},
         maj_at_k=maj_at_k(answers, correct) if answer is not None else None,
         prompts=n,
         unanswered=sum(all(a is None for a in row) for row in answers),
+        per_prompt=details,
     )
 
 

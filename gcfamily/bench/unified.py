@@ -1,0 +1,348 @@
+"""`gcf bench --suite unified`: the comparison of DeepSeekMath section 5.2.2, every method from one SFT model.
+
+    gcf bench --suite unified                 # SmolLM2-135M-Instruct on the chained task, one seed
+    gcf bench --suite unified --seeds 3       # three seeds, one command
+    gcf bench --suite unified --quick         # the tiny random model, in a minute or two (the test suite runs it)
+
+Stage 1 trains SFT on the task's demonstrations into one model, pi_sft (OUT/sft-stage), trained once and reused by
+every method and seed; its own accuracy, Maj@K and Pass@K are in the table. Stage 2 runs, each from pi_sft on the same
+training prompts and the same number of prompts a step (batch_size), for the same number of steps: SFT continued (the
+control), RFT (offline: pi_sft's samples, drawn once), Online RFT, DPO on pi_sft's own pairs, PPO, GRPO with outcome
+supervision and GRPO with process supervision (the task's step reward). So every method sees the same prompts (the
+paper's axis); wall time and FLOPs are reported beside it.
+
+The table (bench.md) gives greedy held-out accuracy, Maj@K and Pass@K with the intervals of the seeds suite, and a
+findings table: each of the paper's four findings with its paired bootstrap difference (over prompts, and seeds when
+there are several) and a verdict: holds (the interval is above 0), not significant, or reversed (below 0).
+
+    (1) Online RFT beats RFT                          accuracy(rft) - accuracy(rft-offline)
+    (2) GRPO (outcome) beats Online RFT               accuracy(grpo) - accuracy(rft)
+    (3) process supervision beats outcome supervision accuracy(grpo-ps) - accuracy(grpo)
+    (4) RL raises Maj@K but not Pass@K                Maj@K(grpo) - Maj@K(pi_sft) above 0, Pass@K(grpo) - Pass@K(pi_sft) not
+
+Every figure is measured and reported as measured, also where it disagrees with the paper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from gcfamily.errors import GcfError
+
+_ONPOLICY = {"micro_batch_size": 32}
+QUICK_REWARD = "gcfamily.bench.unified:length_parity"
+
+
+def length_parity(completions: list, **kw: Any) -> list[float]:
+    """The quick suite's reward: 1 for a completion of odd length (about half of a random model's), else 0."""
+    return [float(len(c) % 2) for c in completions]
+
+
+UNIFIED: dict[str, dict[str, Any]] = {
+    "default": {
+        "model": "smollm2-135m",
+        "task": "chained",
+        "steps": 20,  # stage 2: steps per method, batch_size prompts each
+        "sft_stage": {"max_steps": 100, "batch_size": 8, "micro_batch_size": 8, "lr": 2e-5},
+        "common": {  # group_size is also k of Maj@K and Pass@K, for pi_sft and every method alike
+            "batch_size": 4,
+            "group_size": 8,
+            "eval_samples": 200,
+            "max_new_tokens": 48,
+            "max_length": 256,
+            "temperature": 1.0,
+            "eval_every": 10,
+        },
+        "methods": {
+            "sft": {"micro_batch_size": 8, "lr": 1e-5},
+            "rft-offline": {**_ONPOLICY, "lr": 1e-5},
+            "rft": {**_ONPOLICY, "lr": 1e-5},
+            "dpo": {"pairs": "own-samples", "micro_batch_size": 16, "lr": 1e-6, "beta": 0.1},
+            "ppo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04, "critic_lr": 1e-5},
+            "grpo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04},
+            "grpo-ps": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04},
+        },
+    },
+    "quick": {
+        "model": "tiny",
+        "task": "chained",
+        "steps": 3,
+        "sft_stage": {"max_steps": 4, "batch_size": 4, "micro_batch_size": 4, "lr": 3e-3},
+        "common": {
+            "batch_size": 2,
+            "group_size": 4,
+            "eval_samples": 8,
+            "max_new_tokens": 12,
+            "max_length": 640,
+            "temperature": 1.0,
+            "eval_every": 0,
+        },
+        # the random tiny model never answers a chained problem, so its rewards would all be 0 (no DPO pair, no advantage):
+        # the quick suite, a test of the pipeline, scores the samples of stage 2 by the parity of their length instead
+        "methods": {
+            "sft": {"micro_batch_size": 4, "lr": 1e-3},
+            "rft-offline": {"micro_batch_size": 8, "lr": 1e-3, "pool_prompts": 4, "reward": QUICK_REWARD},
+            "rft": {"micro_batch_size": 8, "lr": 1e-3, "reward": QUICK_REWARD},
+            "dpo": {"pairs": "own-samples", "pool_prompts": 4, "lr": 1e-3, "reward": QUICK_REWARD},
+            "ppo": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "critic_lr": 1e-3, "reward": QUICK_REWARD},
+            "grpo": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "reward": QUICK_REWARD},
+            "grpo-ps": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "reward": QUICK_REWARD},
+        },
+    },
+}
+STAGE = "sft-stage"
+FINDINGS = (
+    ("(1) Online RFT beats RFT (online sampling beats offline)", "rft", "rft-offline", "accuracy"),
+    ("(2) GRPO+OS beats Online RFT (a reward-weighted coefficient beats a binary one)", "grpo", "rft", "accuracy"),
+    ("(3) GRPO+PS beats GRPO+OS (process supervision beats outcome supervision)", "grpo-ps", "grpo", "accuracy"),
+    ("(4a) RL raises Maj@K", "grpo", STAGE, "maj"),
+    ("(4b) ... but not Pass@K", "grpo", STAGE, "pass"),
+)
+
+
+def _base(settings: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
+    return {
+        "seed": 0,
+        "task_seed": 0,
+        "eval_at_ends": True,
+        "progress": False,
+        "save_every": 0,
+        "keep_last": 1,
+        "output_dir": str(out / name),
+        "overwrite": True,
+        **settings,
+    }
+
+
+def _with_sets(s: dict[str, Any], name: str, sets: dict[str, str]) -> dict[str, Any]:
+    """--set KEY (every run that has it) or METHOD.KEY (one method; sft-stage.KEY for stage 1)."""
+    from gcfamily.methods import setting_names
+
+    own = setting_names(s["method"])
+    for key, value in sets.items():
+        target, _, field = key.rpartition(".")
+        if not target and key.replace("-", "_") in own:
+            s[key] = value
+        elif target == name:
+            s[field] = value
+    return s
+
+
+def plans_of(
+    out: Path, quick: bool, seeds: int, sets: dict[str, str], model: Optional[str], task: Optional[str]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(stage 1's plan, stage 2's plans by OUT-relative folder): settings checked before any run starts."""
+    from gcfamily.bench.plan import share_start_evaluations
+    from gcfamily.config import validate
+    from gcfamily.methods import resolve
+
+    suite = UNIFIED["quick" if quick else "default"]
+    model, task = model or suite["model"], task or suite["task"]
+    known = {STAGE, *suite["methods"]}
+    bad = [k for k in sets if "." in k and k.rpartition(".")[0] not in known]
+    if bad:
+        raise GcfError(f"--set {bad[0]} names no run of the unified suite ({', '.join(sorted(known))}).")
+    stage = _base({"method": "sft", "model": model, "task": task, **suite["common"], **suite["sft_stage"]}, out, STAGE)
+    stage = _with_sets(stage, STAGE, sets)
+    validate(resolve(None, stage))
+    pi_sft = str((out / STAGE).resolve())
+    plans: dict[str, dict[str, Any]] = {}
+    for name, recipe in suite["methods"].items():
+        for k in range(seeds):
+            key = name if seeds == 1 else f"{name}/seed-{k}"
+            s = _base(
+                {
+                    "method": name,
+                    "model": pi_sft,
+                    "task": task,
+                    **suite["common"],
+                    **recipe,
+                    "max_steps": suite["steps"],
+                },
+                out,
+                key,
+            )
+            s = _with_sets(s, name, sets)
+            s["seed"] = int(s.get("seed", 0)) + k
+            validate(resolve(None, s))
+            plans[key] = {"method_spec": name, "settings": s}
+    share_start_evaluations(plans)
+    return {"method_spec": "sft", "settings": stage}, plans
+
+
+def _per_prompt(run: dict[str, Any], figure: str) -> Optional[dict[tuple[int, str], float]]:
+    """A run's per-prompt score: greedy correctness at its last evaluation, or from its k samples Maj@K right / Pass@K."""
+    from gcfamily.bench.seeds import heldout
+
+    folder = Path(run["folder"])
+    if figure == "accuracy":
+        return heldout(folder)
+    try:
+        extra = json.loads((folder / "bench_child.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rows = extra.get("sampled_per_prompt") or []
+    if figure == "maj":
+        if any(r.get("maj_right") is None for r in rows):
+            return None
+        return {(i, r["prompt"]): float(r["maj_right"]) for i, r in enumerate(rows)} or None
+    return {(i, r["prompt"]): float(r["correct"] > 0) for i, r in enumerate(rows)} or None  # pass@k: any sample right
+
+
+def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], figure: str) -> Optional[dict[str, Any]]:
+    """mean(a) - mean(b) of `figure` with seeds_bootstrap over the prompts every run scored (and the seeds)."""
+    from gcfamily.core.stats import seeds_bootstrap
+
+    got = [[_per_prompt(r, figure) for r in runs if r.get("returncode") == 0] for runs in (a, b)]
+    got = [[x for x in g if x] for g in got]
+    if not got[0] or not got[1]:
+        return None
+    keys = sorted(set.intersection(*(set(x) for g in got for x in g)))
+    if not keys:
+        return None
+    xa, xb = ([[x[k] for k in keys] for x in g] for g in got)
+    return seeds_bootstrap(xa, xb)
+
+
+def verdict(d: Optional[dict[str, Any]], want_positive: bool = True) -> str:
+    """holds / not significant / reversed for a difference the paper finds positive; for (4b) (no gain) the reverse."""
+    if d is None:
+        return "not measured"
+    if not want_positive:
+        return "holds (no significant gain)" if d["lo"] <= 0.0 else "does not hold (a significant gain)"
+    return "holds" if d["lo"] > 0.0 else ("reversed" if d["hi"] < 0.0 else "not significant")
+
+
+def findings(per_method: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The four findings: each difference, its interval and its verdict."""
+    out = []
+    for label, a, b, figure in FINDINGS:
+        d = paired_difference(per_method.get(a, []), per_method.get(b, []), figure)
+        out.append(
+            {
+                "finding": label,
+                "a": a,
+                "b": b,
+                "figure": figure,
+                "difference": d,
+                "verdict": verdict(d, label[:4] != "(4b)"),
+            }
+        )
+    return out
+
+
+def findings_table(rows: list[dict[str, Any]]) -> str:
+    from gcfamily.bench.report import fmt
+
+    lines = [
+        "| finding | difference | 95% interval | p | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    names = {"accuracy": "greedy accuracy", "maj": "Maj@K", "pass": "Pass@K"}
+    for r in rows:
+        d = r["difference"]
+        what = f"{names[r['figure']]}: {r['a']} - {r['b']}"
+        if d is None:
+            lines.append(f"| {r['finding']} ({what}) | - | - | - | {r['verdict']} |")
+        else:
+            lines.append(
+                f"| {r['finding']} ({what}) | {fmt(d['diff'], '+.3f')} | [{fmt(d['lo'], '+.3f')}, {fmt(d['hi'], '+.3f')}] "
+                f"| {fmt(d['p_value'], '.3f')} | {r['verdict']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_unified(
+    out: Path,
+    quick: bool,
+    seeds: int,
+    sets: dict[str, str],
+    threads: Optional[int] = None,
+    echo: Any = print,
+    fresh: bool = False,
+    replace_runs: bool = False,
+    model: Optional[str] = None,
+    task: Optional[str] = None,
+) -> dict[str, Any]:
+    """Stage 1 (pi_sft), then stage 2 (every method from pi_sft, `seeds` times), then bench.md, bench.json and the plots."""
+    from gcfamily.bench import _load, check_run_folder, finished_run, launch
+    from gcfamily.bench.report import fmt, summarise
+    from gcfamily.bench.seeds import band_plots, seeds_table
+
+    if seeds < 1:
+        raise GcfError("--seeds must be at least 1.")
+    stage, plans = plans_of(out, quick, seeds, sets, model, task)
+    for name, plan in [(STAGE, stage), *plans.items()]:  # every folder before the first run
+        check_run_folder(out / name, plan, replace_runs)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    threads = threads or (1 if quick else None)
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    t0 = time.perf_counter()
+    header = {
+        "suite": "unified",
+        "model": stage["settings"]["model"],
+        "task": stage["settings"]["task"],
+        "budget": f"steps:{next(iter(plans.values()))['settings']['max_steps']} from pi_sft",
+        "load_start": _load(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({threads or 'all'} torch threads), {platform.system()}, python {platform.python_version()}",
+    }
+    results: dict[str, dict[str, Any]] = {}
+    kept = []
+    for name, plan in [(STAGE, stage), *plans.items()]:
+        proc = None if fresh else finished_run(out / name, plan)
+        if proc is not None:
+            kept.append(name)
+            echo(f"[bench] {name}: kept the finished run with the same settings in {out / name}")
+        else:
+            echo(f"[bench] {name}: running ({out / name}/bench.log)")
+            proc = launch(plan, out / name, env)
+            (out / name / "bench_proc.json").write_text(json.dumps(proc))
+            if name == STAGE and proc["returncode"] != 0:
+                raise GcfError(
+                    f"Stage 1 (SFT into pi_sft) failed with exit {proc['returncode']}; see {out / STAGE}/bench.log."
+                )
+        r = results[name] = summarise(out / name, proc)
+        r["data"] = plan["method_spec"]
+        echo(
+            f"[bench] {name}: {r.get('steps')} steps, {proc['wall_s']:.0f} s, accuracy {fmt(r.get('accuracy_before'), '.3f')} -> "
+            f"{fmt(r.get('accuracy_after'), '.3f')}, maj@k {fmt(r.get('maj_at_k'), '.3f')}, pass@k {fmt(r.get('pass_at_k'), '.3f')}"
+            if proc["returncode"] == 0
+            else f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log"
+        )
+    header.update(load_end=_load(), total_s=time.perf_counter() - t0, kept=kept)
+    per_method: dict[str, list[dict[str, Any]]] = {}
+    for key, r in results.items():
+        per_method.setdefault(key.split("/")[0], []).append(r)
+    found = findings(per_method)
+    stage_row = results[STAGE]
+    text = (
+        seeds_table({k: v for k, v in per_method.items() if k != STAGE}, header, "sft")
+        + f"\npi_sft (stage 1, {stage_row.get('steps')} SFT steps): held-out accuracy {fmt(stage_row.get('accuracy_before'), '.3f')} -> "
+        f"{fmt(stage_row.get('accuracy_after'), '.3f')}, Maj@K {fmt(stage_row.get('maj_at_k'), '.3f')}, "
+        f"Pass@K {fmt(stage_row.get('pass_at_k'), '.3f')} (k={stage_row.get('k')}).\n\n## Findings (DeepSeekMath 5.2.2)\n\n"
+        + findings_table(found)
+    )
+    (out / "bench.md").write_text(text)
+    pngs = band_plots({k: v for k, v in per_method.items() if k != STAGE}, out)
+    (out / "bench.json").write_text(
+        json.dumps(
+            {
+                "header": header,
+                "settings": {STAGE: stage["settings"], **{n: p["settings"] for n, p in plans.items()}},
+                "results": results,
+                "findings": found,
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}" + "".join(f", {p}" for p in pngs))
+    return {"header": header, "results": results, "findings": found}
