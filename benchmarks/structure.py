@@ -9,7 +9,6 @@ different files of gcfamily, during one `Trainer.run` of one GRPO step (setup an
 
 from __future__ import annotations
 
-import ast
 import collections
 import inspect
 import os
@@ -20,71 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "gcfamily"
 sys.path.insert(0, str(ROOT))
-
-
-def modules() -> dict[str, Path]:
-    out = {}
-    for p in PKG.rglob("*.py"):
-        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = p
-    return out
-
-
-def import_edges(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the gcfamily modules it imports anywhere in its text (TYPE_CHECKING and function bodies included)."""
-    edges: dict[str, set[str]] = collections.defaultdict(set)
-    for m, p in mods.items():
-        for node in ast.walk(ast.parse(p.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
-                    base = base[: len(base) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
-            for t in targets:
-                while t and t not in mods:
-                    t = t.rpartition(".")[0]
-                if t and t.startswith("gcfamily") and t != m:
-                    edges[m].add(t)
-    return edges
-
-
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for v in list(edges):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def _module(*names: str):  # noqa: ANN202
@@ -156,10 +90,10 @@ def calls_in_one_grpo_step() -> tuple[int, int]:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_layers import layer_of  # the layer table lives beside its test
+    from test_layers import circles, imports, layer_of, modules  # the layer table and the walk live beside their test
 
     mods = modules()
-    edges = import_edges(mods)
+    edges = imports(mods)
     top = sorted(p.name for p in PKG.glob("*.py"))
     up = [(a, b) for a, deps in edges.items() for b in deps if layer_of(b) > layer_of(a)]
     print(f"top-level modules: {len(top)} ({', '.join(top)})")

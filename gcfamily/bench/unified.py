@@ -270,7 +270,7 @@ def run_unified(
     task: Optional[str] = None,
 ) -> dict[str, Any]:
     """Stage 1 (pi_sft), then stage 2 (every method from pi_sft, `seeds` times), then bench.md, bench.json and the plots."""
-    from gcfamily.bench import _load, check_run_folder, finished_run, launch
+    from gcfamily.bench.runs import _load, check_run_folder, finished_run, launch
     from gcfamily.bench.report import fmt, summarise
     from gcfamily.bench.seeds import band_plots, seeds_table
 
