@@ -30,6 +30,9 @@ class Built:
     method: Method
     batch: Batch
     textbook: Callable[[torch.Tensor], Textbook] | None
+    tau: float = 1.0
+    """The temperature of the textbook's pi: the sampling temperature (settings' `temperature`) for a family that
+    samples, 1 for one that trains on fixed rows."""
 
 
 def _signs(R: list[float], valid: list[bool]) -> list[int]:
@@ -81,8 +84,10 @@ def _scored(world: World, rewards: list[float]) -> Batch:
 
 
 def _onpolicy(cls: type[Method], settings: dict, world: World) -> tuple[Method, StubServices]:
+    """The method and its stub trainer, whose pi_old and pi_ref the textbook reads at the sampling temperature (the
+    settings', not the method's `logprob_temperature`, which is what the check tests)."""
     m = make(cls, {"group_size": G, **settings})
-    return m, StubServices(m.cfg, world, m.logprob_temperature())
+    return m, StubServices(m.cfg, world, m.cfg.temperature)
 
 
 def _place_clip_and_kl(m: Method, world: World, signs: list[int], tb: dict, gen: torch.Generator) -> None:
@@ -113,7 +118,7 @@ def build_groups(
     m.after_step(1)
     raw = _scored(world, REWARDS)
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)))
+    return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)), stub.tau)
 
 
 # steps per output (score of each, in order; an empty list: no step scored) for 4 prompts x G = 4: group 0 mixes
@@ -144,7 +149,7 @@ def build_process(
             R[i, t], at[i, t] = sc, True
     raw = {**raw, "step_rewards": R, "step_mask": at}
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _process_textbook(lp, raw, stub, m, tb)))
+    return Built(m, batch, None if tb is None else (lambda lp: _process_textbook(lp, raw, stub, m, tb)), stub.tau)
 
 
 def build_ppo(
@@ -157,7 +162,7 @@ def build_ppo(
     m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
     raw = _scored(world, REWARDS)
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _ppo_textbook(lp, raw, stub, m, tb)))
+    return Built(m, batch, None if tb is None else (lambda lp: _ppo_textbook(lp, raw, stub, m, tb)), stub.tau)
 
 
 def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None, s: Any) -> None:
@@ -199,7 +204,7 @@ def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Me
             br["prompts skipped (equal rewards)"] += 1
             continue
         pairs.append((idx[r.index(max(r))], idx[r.index(min(r))]))
-    ref = stub.logprobs(stub.ref, stub.world.rows(range(N))).double()
+    ref = stub.logprobs(stub.ref, stub.world.rows(range(N)), stub.tau).double()
     t = _pairs_textbook(lp_all, pairs, ref, stub.world, m, tb, br)
     return Textbook(t.J, br, t.required | {"failed rewards", "prompts skipped (equal rewards)"})
 
@@ -213,7 +218,7 @@ def build_online_pairs(
     m.setup(stub)  # type: ignore[arg-type]
     raw = _scored(world, REWARDS)
     batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)))
+    return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)), stub.tau)
 
 
 def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubServices, m: Method) -> Textbook:
@@ -281,7 +286,7 @@ def build_kept(
         J = _aggregate(lp_all[raw["row_id"]], raw["loss_mask"].double(), kept.double(), m.norm, m.cfg.norm_constant)
         return Textbook(J, br, set(br))
 
-    return Built(m, batch, None if tb is None else textbook)
+    return Built(m, batch, None if tb is None else textbook, stub.tau)
 
 
 def build_demonstrations(

@@ -138,8 +138,8 @@ def _groups_textbook(
     s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
     lp, R, valid = lp_all[ids], raw["rewards"].double(), raw["valid"].bool()
     old, ref = (
-        stub.logprobs(stub.policy_model, raw).double(),
-        stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None,
+        stub.logprobs(stub.policy_model, raw, stub.tau).double(),
+        stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
     )
     br = Counter({"failed rewards": int((~valid).sum())})
     b = float(warm.double().mean())
@@ -171,8 +171,8 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     after it; a group whose step rewards are all equal (or fewer than two) gets none; then the clipped surrogate."""
     s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
     lp, valid = lp_all[ids], raw["valid"].bool()
-    old = stub.logprobs(stub.policy_model, raw).double()
-    ref = stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None
+    old = stub.logprobs(stub.policy_model, raw, stub.tau).double()
+    ref = stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None
     R, at = raw["step_rewards"].double(), raw["step_mask"].bool()
     A, equal = torch.zeros(R.shape, dtype=torch.float64), torch.zeros(len(R), dtype=torch.bool)
     br = Counter({"failed rewards": int((~valid).sum())})
@@ -208,8 +208,8 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
     s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
     lp, valid = lp_all[ids], raw["valid"].bool()
     old, ref = (
-        stub.logprobs(stub.policy_model, raw).double(),
-        stub.logprobs(stub.ref, raw).double() if s.beta > 0 else None,
+        stub.logprobs(stub.policy_model, raw, stub.tau).double(),
+        stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
     )
     values = (StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask).tolist()
     rwd = torch.zeros(N, L, dtype=torch.float64)

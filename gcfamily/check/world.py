@@ -102,7 +102,7 @@ class StubServices(LocalServices):
     """The checker's Services (gcfamily/methods/services.py): one process; log-probs are the World's, by row id."""
 
     def __init__(self, cfg: Config, world: World, tau: float) -> None:
-        self.cfg, self.world, self.tau = cfg, world, tau
+        self.cfg, self.world, self.tau = cfg, world, tau  # tau: the temperature the textbook reads pi_old, pi_ref at
         self.task, self.tokenizer, self.device = _StubTask(), None, torch.device("cpu")
         self.policy_model, self.ref = nn.Linear(1, 1), nn.Linear(1, 1)
         self.formatter = StubFormatter()
@@ -117,9 +117,13 @@ class StubServices(LocalServices):
         return self.ref
 
     def logprobs(self, model: nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """pi_old's (the policy's before the step) or pi_ref's log-probs at `temperature`, as the trainer's: a method
+        that asks for another temperature than the sampling one gets other log-probs."""
         w, ids = self.world, batch["row_id"]
         shift = -w.log_ratio[ids] if model is self.policy_model else w.ref_offset[ids]
-        return ((w.logps(tau=self.tau)[ids] + shift) * batch["loss_mask"]).float()  # [B, L], float32 as the trainer's
+        return (
+            (w.logps(tau=temperature)[ids] + shift) * batch["loss_mask"]
+        ).float()  # [B, L], float32 as the trainer's
 
 
 class StubCritic(nn.Module):

@@ -15,6 +15,10 @@ aggregate_i weighs sequence i's term by the sum of its tokens' aggregation weigh
 (clipped.py's g_t = dr/dlogp_t * (sum of the row's weights) / w_t is s_i under every loss_norm, since w_t is
 constant along a row.) With one pass over one minibatch pi_old is pi, s_i = 1 and GSPO's gradient is GRPO's;
 the paper splits each rollout batch into four minibatches (--set num_minibatches=4).
+
+kl_estimator=k3-importance-weighted is refused: GRPO's weighs each token's k3 by the token ratio r_t, while TRL's
+GSPO (use_bias_correction_kl, its default) weighs it by the sequence ratio s_i, whose gradient reaches every token
+of the row, so the two KL terms and their gradients differ. (The paper trains without a KL term.)
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from gcfamily.config import Config
+from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch
 from gcfamily.methods.clipped import kl_value
 from gcfamily.methods.grpo import GRPO
@@ -48,6 +54,16 @@ class GSPO(GRPO):
         """Lower clip range of the sequence ratio: s_i is clipped below at 1 - epsilon (the paper's 3e-4, section 5.1)."""
         epsilon_high: Optional[float] = 4e-4
         """Upper clip range of the sequence ratio: s_i is clipped above at 1 + epsilon_high (the paper's 4e-4)."""
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)
+        if cfg.settings.kl_estimator == "k3-importance-weighted":
+            raise GcfError(
+                f"{cls.name} refuses kl_estimator=k3-importance-weighted: it would weigh each token's k3 by the token "
+                "ratio pi/pi_old, while GSPO's ratio is per sequence (TRL's GSPO weighs the k3 by s_i); "
+                "use kl_estimator=k3, k2 or k1."
+            )
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(s_i on every token of o_i [B, L], its GC factor s_i): the geometric mean of the token ratios."""

@@ -16,8 +16,17 @@ d(log sigmoid z)/dz = sigmoid(-z), so
     GC = -lambda * sigmoid(-z) / (1 - P(o_l)) / |o_l|           on o_l's tokens
 
 Normalisation: the NLL is each chosen completion's token mean, averaged over the pairs of the step (the
-paper's per-sequence 1/m); TRL's ORPO averages over all chosen tokens of the batch instead, which is the
-same when chosen completions have one length. Data, layout (chosen 2i, rejected 2i+1, example weight 1/2)
+paper's per-sequence 1/m), on the completion's tokens only.
+
+TRL's ORPO (`ORPOTrainer`, trl/experimental/orpo/orpo_trainer.py) computes a different NLL, so its loss and gradient
+differ from this one even when every chosen completion has the same length: its `chosen_nll_loss` is the
+cross-entropy over every non-padding token of the chosen rows but the first, the PROMPT's tokens included
+(its code: "orpo chosen nll loss is computed over the full prompt and response"), averaged over all those
+tokens of the batch at once, not per row. Its gradient therefore also reaches the prompt tokens, which this
+method's loss mask leaves out. The two NLLs agree only where the prompt is one token (nothing of it is
+predicted) and the chosen completions have one length. The odds-ratio term is the same in both: the mean over
+pairs of -lambda log sigmoid(log odds_w - log odds_l), log odds from each completion's mean token log-prob
+(TRL's `beta` is `orpo_lambda`). Data, layout (chosen 2i, rejected 2i+1, example weight 1/2)
 and the odds-ratio term are DPO's pair loss on the margin z (its `rewards` hook gives log odds), scaled by
 lambda; ORPO adds the chosen rows' NLL. P = 1 exactly (a = 0) has infinite log odds: such a step is
 non-finite and the trainer skips it.
