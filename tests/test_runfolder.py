@@ -345,6 +345,8 @@ def test_a_checkpoint_resumed_into_another_architecture_is_one_sentence(gcf, tmp
         str(tmp_path / "o"),
         "--resume",
         str(out / "checkpoints" / "step-1"),
+        "--set",
+        "allow_changed_settings=true",  # another model is a change of settings: refused without it (issue 35)
         *SMALL,
     )
     one_error(code, err, "does not fit this model (size mismatch")

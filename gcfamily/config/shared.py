@@ -99,7 +99,8 @@ class Config(DataSettings):
     grad_clip: float = setting(1.0, real(0), ">= 0 and finite (0 turns clipping off)")
     """Clip the global gradient norm to this (0 turns clipping off)."""
     max_bad_steps: int = setting(5, whole(1), ">= 1")
-    """Stop after this many consecutive steps with a non-finite loss or gradient."""
+    """Stop after this many consecutive optimizer steps with a non-finite loss or gradient, or once more than this many
+    were skipped in all; a run that trained no step at all ends non-zero too, naming its first bad step."""
 
     # --- on-policy sampling and rewards
     group_size: int = setting(8, whole(1, MAX_GROUP), f"in [1, {MAX_GROUP}]")

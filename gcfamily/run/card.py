@@ -14,7 +14,7 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -25,12 +25,20 @@ STATED_ELSEWHERE = ("method", "model", "output_dir")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def write_model_card(out_dir: Path, config: dict, metrics: list[dict], base_model: str, method_info: dict) -> Path:
+def write_model_card(
+    out_dir: Path,
+    config: dict,
+    metrics: list[dict],
+    base_model: str,
+    method_info: dict,
+    steps: Optional[int] = None,
+) -> Path:
     """Write out_dir/README.md, a short Hugging Face model card of the run, atomically; returns its path.
 
-    `config` is the run's flat settings (`config.to_dict`), `metrics` the rows of metrics.jsonl and
-    `method_info` the method's "name", "data_source" and "gc_formula" (and optionally "on_policy";
-    without it a data source that samples from the policy counts as on-policy).
+    `config` is the run's flat settings (`config.to_dict`), `metrics` the rows of metrics.jsonl (none when
+    the run logged nothing) and `method_info` the method's "name", "data_source" and "gc_formula" (and
+    optionally "on_policy"; without it a data source that samples from the policy counts as on-policy).
+    `steps`, the steps the run took, when known: 0 says the model is the base model as loaded.
     """
     out_dir = Path(out_dir)
     name = str(method_info.get("name") or config.get("method") or "unknown")
@@ -47,6 +55,12 @@ def write_model_card(out_dir: Path, config: dict, metrics: list[dict], base_mode
         f"{' as a LoRA adapter' if has_adapter else ''}. "
         f"Its training data: {source}. Its per-token gradient coefficient: {formula}."
     )
+    if steps == 0:
+        about = (
+            f"This is `{base_model}` as it was loaded: the run of gcfamily's `{name}` took no training step "
+            f"(max_steps={config.get('max_steps')}). Had it trained, its data would have been: {source}; "
+            f"its per-token gradient coefficient: {formula}."
+        )
     lines += [about, ""]
     lines += [f"- **Data:** {_data(config)}"]
     if _on_policy(method_info):
@@ -87,6 +101,8 @@ def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, fina
         how = "AutoModelForCausalLM.from_pretrained"
         if (Path(out_dir) / "adapter_config.json").is_file():
             how += "; a LoRA adapter, needs peft"
+        if steps == 0:
+            how += "; no training step was taken: the base model as loaded"
         lines.append(f"  model: {out_dir} ({how})")
     else:
         lines.append("  no final model was written")
@@ -132,7 +148,8 @@ def _on_policy(method_info: dict) -> bool:
     if "on_policy" in method_info:
         return bool(method_info["on_policy"])
     source = str(method_info.get("data_source", "")).lower()
-    return "own samples" in source or "on-policy" in source
+    # "the current / initial policy's samples" (rft, rft-offline) as well as "the policy's own samples"
+    return any(k in source for k in ("own samples", "on-policy", "policy's samples"))
 
 
 def _data(config: dict) -> str:

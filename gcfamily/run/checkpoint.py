@@ -1,7 +1,8 @@
 """Resumable checkpoints, written atomically: a temporary folder, a COMPLETE marker, a rename.
 
 A checkpoint folder `step-N/` holds the model (safetensors), and in `state.pt` the optimizer,
-scheduler, every RNG state, the step and the method's own state. `--resume` picks the newest
+scheduler, every RNG state, the step and the method's own state; `run_config.json` the settings
+it was written under, which a resume compares with, into whatever folder it continues. `--resume` picks the newest
 folder that has the marker, so a process killed mid-write never leaves a half checkpoint
 that would be picked up. `manifest.json` records the size and sha256 of every file; `--resume`
 checks it and falls back to the newest intact checkpoint when the newest is damaged (a file
@@ -27,6 +28,7 @@ from gcfamily.errors import GcfError
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+SETTINGS = "run_config.json"  # the run's settings when the checkpoint was written (gcfamily/run/saving.py)
 
 
 def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
@@ -235,12 +237,14 @@ def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> di
         ) from e
     if keys is not None:
         missing = [k for k in keys if k not in weights]
+    own = model.state_dict()  # a name of the checkpoint the model lacks (a LoRA-wrapped model's) ties nothing
     tied = {
-        k for k in missing if any(model.state_dict()[k].data_ptr() == model.state_dict()[w].data_ptr() for w in weights)
+        k for k in missing if k in own and any(w in own and own[k].data_ptr() == own[w].data_ptr() for w in weights)
     }
     if unexpected or set(missing) - tied:
         raise GcfError(
-            f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})."
+            f"Checkpoint {path} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected "
+            f"{unexpected[:3]}); resume with the --model and lora_r the run started with."
         )
     try:
         return torch.load(path / "state.pt", weights_only=True, map_location="cpu")

@@ -1,11 +1,18 @@
-"""The run folder as a transaction: refuse a folder that would lose or mix work, take its lock, clear a replaced run,
-check a resume's settings and choose its checkpoint (rank 0 decides for every rank; gcfamily/run/transaction.py does the
-file work). An object the Trainer holds, given the settings, the processes and the folder.
+"""The run folder as a transaction: refuse a folder that would lose or mix work, take its lock, check a resume's
+settings against its checkpoint's and choose that checkpoint (rank 0 decides for every rank; gcfamily/run/transaction.py
+does the file work), and change nothing in the folder until the start commits. An object the Trainer holds, given the
+settings, the processes and the folder.
+
+A start opens the folder (`open`: checks that read, an --overwrite's old run only set aside), builds everything that can
+fail (models, data, rewards, the method, a resumed checkpoint, the logger), then `commit`s: the set-aside run goes, logs
+past the resumed step are dropped, run_config.json is written. A start that fails before then is `abandon`ed: what it
+wrote is removed and what it set aside put back, so the folder is byte for byte as it was; the lock goes either way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,6 +34,13 @@ class RunFolder:
         self.lock = runfolder.RunLock(self.out_dir)
         self.change: Optional[dict[str, Any]] = None
         """A resume's changed settings (allow_changed_settings), or None."""
+        self.record: Optional[dict[str, Any]] = None
+        """The settings the run records (run_config.json, and a copy in each checkpoint); rank 0 only."""
+        self.committed = False
+        self._before: Optional[set[str]] = None  # the folder's paths when this start began (rank 0)
+        self._made: list[Path] = []  # the folders this start made, deepest first
+        self._aside: list[str] = []  # what --overwrite set aside
+        self._resume_step: Optional[int] = None
 
     def decide(self, fn: Callable[[], Any]) -> Any:
         """fn() run once, on rank 0 under torch.distributed, its result (or its one-sentence error) on every rank."""
@@ -44,68 +58,113 @@ class RunFolder:
         return out
 
     def open(self, resume: Optional[str]) -> Optional[Path]:
-        """The run folder as a transaction (runfolder.py): refuse a folder that would lose or mix work, take its lock,
-        clear a replaced run, check a resume's settings and choose its checkpoint (rank 0 chooses for all). Returns it."""
+        """Refuse a folder that would lose or mix work, take its lock, check a resume's settings and choose its
+        checkpoint (rank 0 chooses for all); returns it. Nothing in the folder is changed: an --overwrite's old run is
+        set aside until `commit`."""
         cfg, out = self.cfg, self.out_dir
 
         def prepare() -> tuple[Optional[str], Optional[dict[str, Any]]]:
             runfolder.check_target(out, cfg.model, resume, cfg.overwrite)
+            self._made = [d for d in (out, *out.parents) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise GcfError(
                     f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir."
                 ) from e
-            runfolder.check_writable(out, 0)
-            runfolder.say(self.lock.acquire())
             try:
+                runfolder.check_writable(out, 0)
+                runfolder.say(self.lock.acquire())
                 return self._prepare(resume)
             except BaseException:
-                self.lock.release()
+                self._undo()
                 raise
 
         path, self.change = self.decide(prepare)
         return None if path is None else Path(path)
 
     def _prepare(self, resume: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]]]:
-        """Rank 0, holding the lock: (the checkpoint to resume, the recorded change of settings)."""
+        """Rank 0, holding the lock: (the checkpoint to resume, the change of settings); the record to write."""
         cfg, out = self.cfg, self.out_dir
-        saved = json.loads((out / "run_config.json").read_text()) if (out / "run_config.json").is_file() else {}
+        back = runfolder.put_back(out)  # a killed --overwrite start's: we hold the lock, so that start is gone
+        if back:
+            print(
+                f"note: put back the run in {out} that an --overwrite start set aside and never finished ({_names(back)}).",
+                file=sys.stderr,
+            )
+        self._before = runfolder.snapshot(out)
+        record = to_dict(cfg)
         path, change = None, None
         if resume is None and cfg.overwrite:
-            removed = runfolder.clear_previous_run(out)
-            if removed:
-                print(
-                    f"note: --overwrite removed the previous contents of {out} ({', '.join(removed[:5])}{', ...' if len(removed) > 5 else ''}).",
-                    file=sys.stderr,
-                )
-        runfolder.clean_partial_checkpoints(out)
-        record = to_dict(cfg)
+            self._aside = runfolder.set_aside(out)
         if resume is not None:
             path = checkpoint.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
-            change = runfolder.check_resume(out, record, cfg.allow_changed_settings, step)
-            record["changes"] = (saved.get("changes") or []) + (
+            saved = runfolder.settings_of(path)  # the checkpoint's own, wherever this run continues
+            change = runfolder.check_resume(path, saved, record, cfg.allow_changed_settings, step)
+            record["changes"] = ((saved or {}).get("changes") or []) + (
                 [{"step": step, "changed": change["changed"]}] if change else []
             )
-            if step is not None:
-                runfolder.truncate_logs(out, step)
-        (out / "run_config.json").write_text(json.dumps(record, indent=2))
+            self._resume_step = step
+        self.record = record
         return (None if path is None else str(path)), change
 
-    def abandon(self, resumed: bool) -> None:
-        """A start that failed: a run that never started leaves no run behind; the lock goes."""
-        if not resumed and self.is_main and not runfolder.holds_run_output(self.out_dir):
-            (self.out_dir / "run_config.json").unlink(missing_ok=True)
-        self.lock.release()
+    def commit(self) -> None:
+        """Every check of the start has passed: the set-aside run goes, half-written checkpoints and the logs past the
+        resumed step are dropped, and run_config.json is written. From here on the folder is this run's."""
+
+        def write() -> None:
+            out = self.out_dir
+            if self._aside:
+                runfolder.drop_aside(out)
+                print(
+                    f"note: --overwrite removed the previous contents of {out} ({_names(self._aside)}).",
+                    file=sys.stderr,
+                )
+            runfolder.clean_partial_checkpoints(out)
+            if self._resume_step is not None:
+                runfolder.truncate_logs(out, self._resume_step)
+            tmp = out / ".run_config.json.tmp"
+            tmp.write_text(json.dumps(self.record, indent=2))
+            os.replace(tmp, out / "run_config.json")
+
+        self.decide(write)
+        self.committed = True
+
+    def abandon(self) -> None:
+        """A start that failed: before `commit`, the folder goes back to what it was; the lock goes."""
+        if self.committed:
+            self.lock.release()
+        else:
+            self._undo()
+
+    def _undo(self) -> None:
+        """What this start wrote is removed, what it set aside put back, a folder it made removed; the lock released."""
+        try:
+            if self.is_main and self._before is not None:
+                runfolder.remove_new(self.out_dir, self._before)
+                runfolder.put_back(self.out_dir)
+        finally:
+            self.lock.release()
+            for d in self._made if self.is_main else []:
+                try:
+                    d.rmdir()
+                except OSError:  # not empty: someone else's now
+                    break
 
     def check_room(self, policy: Any) -> None:
-        """Rank 0: the disk holds a checkpoint (the trained weights and AdamW's two moments, in the master dtype, plus 10%)."""
+        """Rank 0: the disk holds a checkpoint (the trained weights and AdamW's two moments, in the master dtype, plus 10%),
+        counting the room that a set-aside run frees at commit."""
         if not self.is_main:
             return
         trained = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
         weights = trained if lora.is_peft(policy) else sum(p.numel() * p.element_size() for p in policy.parameters())
-        runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1))
+        reclaim = runfolder.size_of(self.out_dir / runfolder.ASIDE)
+        runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1), reclaim)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def apply_changed_settings(cfg: Any, optimizer: Any, scheduler: Any, total_steps: int) -> None:

@@ -5,6 +5,7 @@ save is (gcfamily/run/distributed.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -37,20 +38,25 @@ class Saving:
             run.training_state(),
             self.cfg.keep_last,
             run.weight_keys(),
-            self.checkpoint_extras(run.unwrapped_policy(), run.tokenizer, run.weight_keys()),
+            run.checkpoint_extras(),
         )
 
     @staticmethod
     def checkpoint_extras(
-        model: Any, tokenizer: Any, weight_keys: Optional[set[str]]
+        model: Any, tokenizer: Any, weight_keys: Optional[set[str]], settings: Optional[dict[str, Any]] = None
     ) -> Optional[Callable[[Path], None]]:
-        """What makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer (LoRA ones hold only adapters)."""
-        if weight_keys is not None:
+        """The settings the checkpoint was written under (its run_config.json: a resume compares with them, wherever it
+        continues), and what makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer
+        (LoRA ones hold only adapters)."""
+        if weight_keys is not None and settings is None:
             return None
 
         def write(folder: Path) -> None:
-            model.config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
+            if settings is not None:
+                (folder / checkpoint.SETTINGS).write_text(json.dumps(settings, indent=2))
+            if weight_keys is None:
+                model.config.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
 
         return write
 
@@ -77,8 +83,9 @@ class Saving:
         precision.save_pretrained(policy, self.out_dir, policy.state_dict(), self.cfg.save_dtype)
         tokenizer.save_pretrained(self.out_dir)
 
-    def write_card(self, method: Any) -> None:
-        """The final folder's README.md: method, base model, data, settings and final metrics (gcfamily/run/card.py)."""
+    def write_card(self, method: Any, steps: int) -> None:
+        """The final folder's README.md: method, base model, data, settings and final metrics (gcfamily/run/card.py);
+        a run that logged nothing (max_steps=0 without --eval) has no metrics."""
         from gcfamily.methods.onpolicy import OnPolicy
         from gcfamily.run.card import write_model_card
         from gcfamily.run.logger import read_metrics
@@ -90,7 +97,8 @@ class Saving:
             "gc_formula": m.gc_formula,
             "on_policy": isinstance(m, OnPolicy),
         }
-        write_model_card(self.out_dir, to_dict(self.cfg), read_metrics(self.out_dir), self.cfg.model, info)
+        rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
+        write_model_card(self.out_dir, to_dict(self.cfg), rows, self.cfg.model, info, steps=steps)
 
     def summary(self, step: int, seconds: float) -> str:
         """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""

@@ -95,11 +95,14 @@ class Trainer:
         try:
             self._build(resume_path, model)
         except BaseException:
-            self.folder.abandon(resumed=resume is not None)
+            if getattr(self, "logger", None) is not None:
+                self.logger.close()
+            self.folder.abandon()  # before its commit: the folder as it was
             raise
 
     def _build(self, resume_path: Optional[Path], model: Any) -> None:
-        """Everything after the run folder is ours: models, the method's data, the optimizer, a resumed state."""
+        """Everything that can fail, with the folder locked but unchanged: models, the method's data, the optimizer, a
+        resumed state, the logger; then the folder's commit (run_config.json is written only once all of it passed)."""
         cfg, dist_env = self.cfg, self.dist
         # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
         self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
@@ -163,8 +166,10 @@ class Trainer:
             self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio)
         )
         self.step = 0
-        self.bad_steps = 0
-        self.skipped_steps = 0
+        self.bad_steps = 0  # in a row, up to now
+        self.skipped_steps = 0  # in all
+        self.trained_steps = 0  # optimizer steps that updated the model
+        self.first_bad_step: Optional[int] = None
         self.elapsed_s = 0.0  # seconds spent in training steps, for max_time
         self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
         self.flops_seen = 0.0  # estimated: 6 P per loss token, 2 P per generated token, for max_flops
@@ -177,6 +182,7 @@ class Trainer:
             self.out_dir, enabled=self.is_main, report_to=cfg.report_to, run_name=self.out_dir.name, config=to_dict(cfg)
         )
         self.saving.logger = self.logger
+        self.folder.commit()
         if self.folder.change is not None:
             self.logger.log(self.step, {"settings_changed": 1.0})
 
@@ -191,6 +197,8 @@ class Trainer:
             "method": self.method.state_dict(),
             "skipped_steps": self.skipped_steps,
             "bad_steps": self.bad_steps,
+            "trained_steps": self.trained_steps,
+            "first_bad_step": self.first_bad_step,
             "elapsed_s": self.elapsed_s,
             "tokens_seen": self.tokens_seen,
             "flops_seen": self.flops_seen,
@@ -206,12 +214,17 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"], self.generator)
         self.step = int(state["step"])
         self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
+        self.first_bad_step = state.get("first_bad_step")
+        # a checkpoint from before the count: the scheduler steps once per optimizer step that updated the policy
+        self.trained_steps = int(
+            state.get("trained_steps", self.scheduler.last_epoch if self.method.trains_policy else self.step)
+        )
         self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
         self.flops_seen = float(state.get("flops_seen", 0.0))
 
     def checkpoint_extras(self) -> Any:
-        """config.json and the tokenizer for a full-weight checkpoint (Saving.checkpoint_extras); None for LoRA."""
-        return Saving.checkpoint_extras(self.unwrapped_policy(), self.tokenizer, self.weight_keys())
+        """The run's settings, and for a full-weight checkpoint config.json and the tokenizer (Saving.checkpoint_extras)."""
+        return Saving.checkpoint_extras(self.unwrapped_policy(), self.tokenizer, self.weight_keys(), self.folder.record)
 
     def save_checkpoint(self) -> Optional[Path]:
         """A resumable checkpoint of this run (rank 0 writes)."""
@@ -309,12 +322,11 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
             self.skipped_steps += 1
-            if self.bad_steps >= cfg.max_bad_steps:
-                raise GcfError(
-                    f"{self.bad_steps} consecutive steps had a non-finite loss or gradient; stopping with the last good checkpoint intact (lower lr or check the data)."
-                )
+            self.first_bad_step = self.first_bad_step or self.step + 1  # the step being trained, as logged
+            self.stop_on_bad_steps()
             return {"loss": float("nan"), "skipped": 1.0, **metrics}
         self.bad_steps = 0
+        self.trained_steps += 1
         clip = (
             torch.nn.utils.clip_grad_norm_ if self.dist is None else self.dist.clip_grad_norm_
         )  # FSDP2: the norm over every shard
@@ -323,6 +335,26 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(gn), "tokens": float(n_tok), "skipped": 0.0, **metrics}
+
+    def stop_on_bad_steps(self) -> None:
+        """A run stops, its last checkpoint intact, at max_bad_steps skipped steps in a row or at more than
+        max_bad_steps in all (`run` also refuses a run that took steps and skipped every one). A step here is an optimizer
+        step: a method with several minibatches or inner epochs takes several per logged step."""
+        cfg, first = self.cfg, self.first_bad_step
+        if self.bad_steps >= cfg.max_bad_steps:
+            what = (
+                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient, the run's first at step {first}"
+            )
+        elif self.skipped_steps > cfg.max_bad_steps:
+            what = (
+                f"{self.skipped_steps} steps in all had a non-finite loss or gradient, more than "
+                f"max_bad_steps={cfg.max_bad_steps}, the first at step {first}"
+            )
+        else:
+            return
+        last = checkpoint.complete_checkpoints(self.out_dir / "checkpoints")
+        kept = f"the checkpoint of step {last[-1].name[5:]} intact" if last else "no checkpoint saved"
+        raise GcfError(f"{what}; stopping at step {self.step + 1} with {kept} (lower lr or check the data).")
 
     def auxiliary_only_step(self, mbs: list[Batch]) -> dict[str, float]:
         """One step of a method that trains only its own model (trains_policy=False): no policy pass at all."""
@@ -337,6 +369,7 @@ class Trainer:
             rows += n
         metrics = {k: v / max(rows, 1) for k, v in sums.items()}
         metrics.update(self.method.auxiliary_step_end())
+        self.trained_steps += 1
         return {"tokens": float(sum(int(engine.effective_mask(mb).sum()) for mb in mbs)), **metrics}
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -364,7 +397,8 @@ class Trainer:
             stack.callback(install_stop_handlers(self._on_signal))
             bar = stack.enter_context(self._progress())
             stack.enter_context(onednn.packing(cfg.rollout_pack_weights))  # rollouts and evaluations of this run
-            if cfg.eval_at_ends and self.step == 0:
+            evaluated = cfg.eval_at_ends and self.step == 0
+            if evaluated:
                 self.logger.log(0, self.evaluate())
             while self.step < cfg.max_steps and not self.budget_spent():
                 batch, stats, t0 = self.collect()
@@ -373,10 +407,27 @@ class Trainer:
                 metrics.update(self.method.after_step(self.step))
                 metrics = self.account(metrics, stats, t0)
                 self.cadence(metrics, bar)
-            if cfg.eval_at_ends:
+                evaluated = False
+            self.refuse_untrained()
+            if cfg.eval_at_ends and not evaluated:  # max_steps=0: the evaluation before is the one after
                 self.logger.log(self.step, self.evaluate())
             self.finish()
         return self.out_dir
+
+    def refuse_untrained(self) -> None:
+        """A run that took steps and skipped every one trained nothing: it ends in one sentence, writing no model.
+        (max_steps=0 takes no step: the model is written as loaded.)"""
+        if self.step == 0 or self.trained_steps > 0:
+            return
+        why = (
+            f"had a non-finite loss or gradient and was skipped, the first at step {self.first_bad_step}"
+            if self.first_bad_step is not None
+            else "ended without an optimizer step"
+        )
+        raise GcfError(
+            f"Every step of this run ({self.step}) {why}, so nothing was trained and no model was written (lower lr, "
+            "or check the data and the method's coefficient)."
+        )
 
     def collect(self) -> tuple[Batch, dict[str, float], float]:
         """This step's batch from the method's data source, prepared (rewards, advantages, pi_old/pi_ref), with the
@@ -461,7 +512,7 @@ class Trainer:
             ) from e
         self.saving.final_saved = True
         if self.is_main:
-            self.saving.write_card(self.method)
+            self.saving.write_card(self.method, self.step)
 
     def _time_to_evaluate(self, before_s: float) -> bool:
         """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""

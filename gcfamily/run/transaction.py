@@ -1,17 +1,24 @@
-"""The run folder as a transaction: one owner at a time, never two runs mixed, resume means the same run.
+"""The run folder as a transaction: one owner at a time, never two runs mixed, resume means the same run, and a start
+that fails leaves the folder as it was.
 
 - A lock file (`.gcf.lock`: pid, host, start time) is taken before anything is written. A folder that a
   live run holds is refused in one sentence; a lock whose process is gone (same host) is taken over,
   and said so.
-- A folder that holds another run is refused unless --overwrite (which removes that run's files:
-  settings, metrics, checkpoints, logs, the final model, so nothing of it is mixed in) or --resume.
-  A folder that holds a model or other files but no run is refused unless --overwrite; the folder that
-  is the --model itself is always refused.
-- A resume compares the requested settings with the run's own: a setting that changes the trajectory
-  may differ only with allow_changed_settings=true, which records the change; metrics and completions
-  logged after the resumed step are dropped (they are about to be logged again), and half-written
-  checkpoint folders are removed.
+- A folder that holds another run is refused unless --overwrite or --resume. --overwrite sets that run's
+  files (settings, metrics, checkpoints, logs, the final model) aside in `.gcf-replaced/` while the start
+  runs its checks, and removes them only once every check has passed, so nothing of the old run is
+  mixed in and a start that fails loses nothing; a set-aside run that a killed start left is put back by
+  the next start. A folder that holds a model or other files but no run is refused unless --overwrite;
+  the folder that is the --model itself is always refused.
+- A resume compares the requested settings with those the checkpoint was written under (recorded in the
+  checkpoint; for an older checkpoint, its run folder's run_config.json), wherever the run continues: a
+  setting that changes the trajectory may differ only with allow_changed_settings=true, which records
+  the change; metrics and completions logged after the resumed step are dropped (they are about to be
+  logged again), and half-written checkpoint folders are removed.
 - Before training the folder must be writable and hold room for a checkpoint.
+- Until the start commits (RunFolder.commit) nothing already in the folder is changed or removed, only
+  set aside; a start that fails removes what it wrote (`snapshot`, `remove_new`) and puts back what it
+  set aside, so the folder is byte for byte as it was, and a folder it made is removed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import Any, Optional
 from gcfamily.errors import GcfError
 
 LOCK = ".gcf.lock"
+ASIDE = ".gcf-replaced"
+"""Where --overwrite keeps the previous run's files until the start commits."""
 RUN_MARKERS = ("run_config.json", "metrics.jsonl", "checkpoints")
 RUN_FILES = (
     "run_config.json",
@@ -169,15 +178,8 @@ class RunLock:
 
 
 def holds_run(out_dir: Path) -> bool:
-    return any((out_dir / m).exists() for m in RUN_MARKERS)
-
-
-def holds_run_output(out_dir: Path) -> bool:
-    """Whether a run has produced anything beyond its settings file: metrics, checkpoints or a model."""
-    return any(
-        (out_dir / m).exists()
-        for m in ("metrics.jsonl", "checkpoints", "model.safetensors", "adapter_model.safetensors")
-    )
+    """A run's files are in the folder, or set aside by an --overwrite start that never committed."""
+    return any((out_dir / m).exists() for m in RUN_MARKERS) or (out_dir / ASIDE).is_dir()
 
 
 def same_folder(a: str | Path, b: str | Path) -> bool:
@@ -211,22 +213,86 @@ def check_target(out_dir: Path, model: str, resume: Optional[str], overwrite: bo
         )
 
 
-def clear_previous_run(out_dir: Path) -> list[str]:
-    """--overwrite: remove what an earlier run (or a model) left in the folder; the names removed."""
-    removed = []
+def is_run_file(name: str) -> bool:
+    """What a gcfamily run writes (RUN_FILES, model-*.safetensors shards, .tmp-* leftovers): --overwrite replaces these."""
+    return (
+        name in RUN_FILES or (name.startswith("model-") and name.endswith(".safetensors")) or name.startswith(".tmp-")
+    )
+
+
+def set_aside(out_dir: Path) -> list[str]:
+    """--overwrite, before the checks: move what an earlier run (or a model) left in the folder into ASIDE; the names
+    moved. A rename in the same folder: nothing is copied or lost."""
+    aside = out_dir / ASIDE
+    names = [p.name for p in sorted(out_dir.iterdir()) if is_run_file(p.name)]
+    if names:
+        aside.mkdir()
+        for name in names:
+            os.replace(out_dir / name, aside / name)
+    return names
+
+
+def put_back(out_dir: Path) -> list[str]:
+    """Undo set_aside: each set-aside entry back in its place (over whatever a failed start wrote there); the names."""
+    aside = out_dir / ASIDE
+    if not aside.is_dir():
+        return []
+    names = sorted(p.name for p in aside.iterdir())
+    for name in names:
+        _remove(out_dir / name)
+        os.replace(aside / name, out_dir / name)
+    aside.rmdir()
+    return names
+
+
+def drop_aside(out_dir: Path) -> None:
+    """The start committed: the set-aside run goes for good."""
+    shutil.rmtree(out_dir / ASIDE, ignore_errors=True)
+
+
+def size_of(path: Path) -> int:
+    """Bytes of the files under `path` (what removing it frees)."""
+    if not path.exists():
+        return 0
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    return sum(p.stat().st_size for p in files)
+
+
+def _paths(out_dir: Path) -> list[Path]:
+    """The folder's entries, and everything inside those that a run writes (its checkpoints, logs, pools): a start
+    writes nowhere else, and a folder of the user's that --overwrite writes over is not walked."""
+    out = []
     for p in sorted(out_dir.iterdir()):
-        if (
-            p.name in RUN_FILES
-            or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
-            or p.name.startswith(".tmp-")
-        ):
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-            removed.append(p.name)
-    return removed
+        out.append(p)
+        if is_run_file(p.name) and p.is_dir() and not p.is_symlink():
+            out += sorted(p.rglob("*"))
+    return out
 
 
-def check_writable(out_dir: Path, need_bytes: int) -> None:
-    """The folder takes a file, and its disk has room for one checkpoint (need_bytes, estimated by the caller)."""
+def snapshot(out_dir: Path) -> set[str]:
+    """The paths a start could add to (`_paths`, relative), taken before it writes anything."""
+    return {str(p.relative_to(out_dir)) for p in _paths(out_dir)}
+
+
+def remove_new(out_dir: Path, before: set[str]) -> None:
+    """A failed start: remove every path it added (not in `before`), except ASIDE, which put_back empties."""
+    for p in _paths(out_dir):  # a folder before what is in it
+        rel = p.relative_to(out_dir)
+        if rel.parts[0] in (ASIDE, LOCK) or str(rel) in before or not (p.exists() or p.is_symlink()):
+            continue  # (a path inside a new folder went with it)
+        _remove(p)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def check_writable(out_dir: Path, need_bytes: int, reclaim: int = 0) -> None:
+    """The folder takes a file, and its disk has room for one checkpoint (need_bytes, estimated by the caller; `reclaim`
+    bytes are freed before the first checkpoint: a run that --overwrite set aside)."""
     probe = out_dir / f".gcf-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"ok")
@@ -235,7 +301,7 @@ def check_writable(out_dir: Path, need_bytes: int) -> None:
         raise GcfError(
             f"Output folder {out_dir} is not writable ({e.strerror or e}); choose another --output-dir or fix its permissions."
         ) from e
-    free = shutil.disk_usage(out_dir).free
+    free = shutil.disk_usage(out_dir).free + reclaim
     if free < need_bytes:
         raise GcfError(
             f"The disk of {out_dir} has {free / 2**20:,.0f} MB free, less than one checkpoint needs (about {need_bytes / 2**20:,.0f} MB); "
@@ -263,15 +329,39 @@ def compare_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tu
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
 
 
-def check_resume(out_dir: Path, now: dict[str, Any], allow: bool, step: Optional[int]) -> Optional[dict[str, Any]]:
-    """Refuse a resume whose settings differ from the run's, unless allowed; the change record when allowed."""
-    path = out_dir / "run_config.json"
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def settings_of(path: Path) -> Optional[dict[str, Any]]:
+    """The settings checkpoint `path` was written under: its own run_config.json, or for a checkpoint written before
+    checkpoints recorded them, the run_config.json of its run folder (path is RUN/checkpoints/step-N); None if neither."""
+    places = [path / "run_config.json"]
+    if path.parent.name == "checkpoints":
+        places.append(path.parent.parent / "run_config.json")
+    for f in places:
+        if f.is_file():
+            try:
+                saved = json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise GcfError(
+                    f"{f} cannot be read ({e}); the settings of checkpoint {path} are unknown: restore the file, or "
+                    "resume another checkpoint."
+                ) from e
+            return saved if isinstance(saved, dict) else None
+    return None
+
+
+def check_resume(
+    path: Path, saved: Optional[dict[str, Any]], now: dict[str, Any], allow: bool, step: Optional[int]
+) -> Optional[dict[str, Any]]:
+    """Refuse a resume of checkpoint `path` whose settings differ from `saved` (those it was written under), unless
+    allowed; the change record when allowed. A checkpoint with no record of its settings cannot be compared: refused
+    unless allowed, and then every setting is taken as given."""
+    run = path.parent.parent if path.parent.name == "checkpoints" else path
+    if saved is None:
+        if not allow:
+            raise GcfError(
+                f"--resume {path}: the checkpoint records no settings and {run} has no run_config.json, so a change of "
+                "settings cannot be seen; pass --set allow_changed_settings=true to continue with the settings given now."
+            )
+        return {"step": step, "changed": {"settings": ["not recorded", "as given"]}}
     diffs = compare_settings(saved, now)
     if not diffs:
         return None
@@ -280,10 +370,10 @@ def check_resume(out_dir: Path, now: dict[str, Any], allow: bool, step: Optional
     )
     if not allow:
         raise GcfError(
-            f"--resume would continue run {out_dir} with other settings ({shown}); run the same settings, "
+            f"--resume would continue run {run} with other settings ({shown}); run the same settings, "
             "or pass --set allow_changed_settings=true to change them on purpose (recorded in run_config.json)."
         )
-    return {"step": step, "changed": {k: [a, b] for k, (a, b) in diffs.items()}, "previous": saved.get("changes", [])}
+    return {"step": step, "changed": {k: [a, b] for k, (a, b) in diffs.items()}}
 
 
 def truncate_logs(out_dir: Path, step: int) -> None:
