@@ -16,6 +16,9 @@ torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault(
+    "OMP_NUM_THREADS", "1"
+)  # the CLI runs the tests start in other processes: one thread, as here, so bitwise comparisons hold whatever the load
 
 
 @pytest.fixture

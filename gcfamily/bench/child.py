@@ -209,12 +209,17 @@ def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
 
 def child(spec_path: str) -> None:
     """Run one method as a normal Trainer run; write the GC record and the KL next to its metrics."""
-    from gcfamily.core import onednn
+    import torch
+
+    from gcfamily.core import onednn, threads
     from gcfamily.methods import resolve
     from gcfamily.run.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = resolve(None, spec["settings"])  # as `gcf run --set`: these count as given, over any method default
+    busy = threads.busy_cores()  # how busy the machine was as this run started, kept beside its timings
+    if "threads" not in spec["settings"]:  # the bench's own count (the OMP_NUM_THREADS it set, or torch's default)
+        cfg.threads = torch.get_num_threads()
     trainer = Trainer(cfg)
     recorder = GCRecorder(trainer)
     reused = reuse_start_evaluation(trainer, Path(spec["start_eval_from"])) if spec.get("start_eval_from") else False
@@ -230,6 +235,8 @@ def child(spec_path: str) -> None:
             "steps": trainer.step,
             "start_eval_from": spec.get("start_eval_from") if reused else None,
             "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters()),
+            "threads": trainer.threads.count,
+            "busy_cores_at_start": None if busy is None else round(busy, 3),
         }
     )
     (Path(cfg.output_dir) / "bench_child.json").write_text(json.dumps(extra))

@@ -69,6 +69,9 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
             "gc": extra.get("gc"),
             "kl_s": extra.get("kl_s"),
             "params": extra.get("params"),
+            "threads": extra.get("threads"),
+            # other processes' use of the cores as the run began: a run beside busy ones is slower for it, not its method
+            "busy_cores_at_start": extra.get("busy_cores_at_start"),
             "per_step": rows,
         }
     )
@@ -141,6 +144,11 @@ def table(results: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
             )
             + " |"
         )
+    busy = [
+        f"{n} {r['busy_cores_at_start']:.1f}" for n, r in results.items() if r.get("busy_cores_at_start") is not None
+    ]
+    if busy:
+        lines += ["", f"Cores that other processes kept busy as each run started: {', '.join(busy)}."]
     lines += [
         "",
         "Held-out accuracy: greedy, each distinct prompt of the first `eval_samples` test rows once (with --dataset: the eval rows' accuracy where they carry an `answer`, else their mean reward). Final reward: mean of `reward/mean` over the last 3 steps "

@@ -54,6 +54,13 @@ class Config(DataSettings):
     Checkpoints always hold the master weights, so a resume is exact."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub model; off unless asked for."""
+    threads: str | int = setting("auto", lambda x: x == "auto" or whole(1)(x), "auto or a whole number >= 1")
+    """torch's CPU threads: a number, or auto, chosen at the start of the run: the cores this process may use less those
+    other processes keep busy right now (measured over 0.3 s; torch's threads spin waiting for one that another process
+    pre-empted, 3.6x slower beside one busy process), at most torch's own count (OMP_NUM_THREADS, or one per physical
+    core), shared among a run's processes on the machine (gcfamily/core/threads.py). The count is printed with the progress
+    bar and logged in the first metrics row; a --resume keeps the count its checkpoint recorded (bitwise equal), unless
+    threads is given."""
 
     # --- the step
     max_steps: int = setting(100, whole(0), ">= 0")

@@ -101,7 +101,9 @@ class RunFolder:
             path = checkpoint.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
             saved = runfolder.settings_of(path)  # the checkpoint's own, wherever this run continues
-            change = runfolder.check_resume(path, saved, record, cfg.allow_changed_settings, step)
+            change = runfolder.check_resume(
+                path, _but_threads(saved), _but_threads(record), cfg.allow_changed_settings, step
+            )
             record["changes"] = ((saved or {}).get("changes") or []) + (
                 [{"step": step, "changed": change["changed"]}] if change else []
             )
@@ -161,6 +163,12 @@ class RunFolder:
         weights = trained if lora.is_peft(policy) else sum(p.numel() * p.element_size() for p in policy.parameters())
         reclaim = runfolder.size_of(self.out_dir / runfolder.ASIDE)
         runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1), reclaim)
+
+
+def _but_threads(settings: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Settings less `threads`: a resume may give it freely, as it may give the device; the Trainer keeps the count the
+    checkpoint recorded unless it is given, and says when a change ends bitwise equality (gcfamily/core/threads.py)."""
+    return None if settings is None else {k: v for k, v in settings.items() if k != "threads"}
 
 
 def _names(names: list[str]) -> str:

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from gcfamily.core.threads import usable_cores
 from gcfamily.errors import GcfError
 
 ERROR_DIR_ENV = "GCF_ERROR_DIR"  # set by `launch`: each failing rank leaves its one-line message there
@@ -35,7 +36,9 @@ def launch(nproc: int, argv: list[str]) -> int:
     err_dir = tempfile.mkdtemp(prefix="gcf-errors-")
     saved = dict(os.environ)
     os.environ[ERROR_DIR_ENV] = err_dir
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set here so it does not warn about it
+    # torchrun would set 1 (and warn): each process's share of this machine's cores instead, the most its threads=auto
+    # then takes, fewer when other processes keep cores busy (gcfamily/core/threads.py)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nproc)))
     elastic_log = logging.getLogger("torch.distributed.elastic")
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)  # its failure report repeats what the ranks already printed

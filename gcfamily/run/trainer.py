@@ -7,15 +7,18 @@ dtype, the sampler's generator, the output folder; nothing is global.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from gcfamily.core import engine, onednn, precision
+from gcfamily.core import engine, onednn, precision, threads
 from gcfamily.models import lora
 from gcfamily.config import Config, resolve_settings, to_dict
 from gcfamily.config import validate
@@ -91,6 +94,8 @@ class Trainer:
         self.saving = Saving(cfg, self.out_dir, dist_env)
         self.stop_signal: Optional[str] = None
         """SIGTERM or SIGINT once one arrived: the run checkpoints at the end of the step and stops."""
+        self.threads_before = torch.get_num_threads()
+        """torch's thread count before the run: put back when the run ends (and auto's ceiling, gcfamily/core/threads.py)."""
         resume_path = self.folder.open(resume)  # takes the folder's lock: released on any failure from here on
         try:
             self._build(resume_path, model)
@@ -98,12 +103,15 @@ class Trainer:
             if getattr(self, "logger", None) is not None:
                 self.logger.close()
             self.folder.abandon()  # before its commit: the folder as it was
+            threads.apply(self.threads_before)
             raise
 
     def _build(self, resume_path: Optional[Path], model: Any) -> None:
         """Everything that can fail, with the folder locked but unchanged: models, the method's data, the optimizer, a
         resumed state, the logger; then the folder's commit (run_config.json is written only once all of it passed)."""
         cfg, dist_env = self.cfg, self.dist
+        self.threads = self._choose_threads()  # before any model work; a resume may take its recorded count (_restore)
+        self._first_row = {"threads": self.threads.count}  # logged with the first row this start writes
         # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
         self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
         self.dtype = self.precision.master  # what every model of the run is loaded in
@@ -183,8 +191,23 @@ class Trainer:
         )
         self.saving.logger = self.logger
         self.folder.commit()
+        if self.is_main and (cfg.progress or "no longer bitwise" in self.threads.reason):
+            print(f"threads: {self.threads.reason}.", file=sys.stderr)  # beside the progress bar; always in the metrics
         if self.folder.change is not None:
-            self.logger.log(self.step, {"settings_changed": 1.0})
+            self._log(self.step, {"settings_changed": 1.0})
+
+    def _choose_threads(self) -> threads.Threads:
+        """torch's CPU threads for this run (the `threads` setting; gcfamily/core/threads.py), set now. Under torchrun
+        every rank measures the same moment, after a barrier, and takes rank 0's choice; auto shares the free cores among
+        the run's processes on this machine."""
+        given = self.cfg.threads if isinstance(self.cfg.threads, int) else None
+        if self.dist is None:
+            choice = threads.decide(given)
+        else:
+            self.dist.barrier()  # no rank is busy loading while the others measure
+            choice = self.dist.broadcast(threads.decide(given, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        threads.apply(choice.count)
+        return choice
 
     # ------------------------------------------------------------------ the state a checkpoint holds
     def training_state(self) -> dict[str, Any]:
@@ -202,6 +225,7 @@ class Trainer:
             "elapsed_s": self.elapsed_s,
             "tokens_seen": self.tokens_seen,
             "flops_seen": self.flops_seen,
+            "threads": self.threads.count,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -221,6 +245,13 @@ class Trainer:
         )
         self.elapsed_s, self.tokens_seen = float(state.get("elapsed_s", 0.0)), float(state.get("tokens_seen", 0.0))
         self.flops_seen = float(state.get("flops_seen", 0.0))
+        # a resume continues with the count the run recorded (thread counts change float rounding), unless threads is given
+        explicit = isinstance(self.cfg.threads, int) or "threads" in self.cfg.explicit
+        count, reason = threads.resumed_threads(state.get("threads"), self.threads.count, self.threads.reason, explicit)
+        if count != self.threads.count:
+            threads.apply(count)
+        self.threads = dataclasses.replace(self.threads, count=count, reason=reason)
+        self._first_row["threads"] = count
 
     def checkpoint_extras(self) -> Any:
         """The run's settings, and for a full-weight checkpoint config.json and the tokenizer (Saving.checkpoint_extras)."""
@@ -393,13 +424,14 @@ class Trainer:
         self.started = time.perf_counter()
         with contextlib.ExitStack() as stack:
             stack.callback(self.folder.lock.release)
+            stack.callback(threads.apply, self.threads_before)  # the program's own count again once the run ends
             stack.callback(self.logger.close)
             stack.callback(install_stop_handlers(self._on_signal))
             bar = stack.enter_context(self._progress())
             stack.enter_context(onednn.packing(cfg.rollout_pack_weights))  # rollouts and evaluations of this run
             evaluated = cfg.eval_at_ends and self.step == 0
             if evaluated:
-                self.logger.log(0, self.evaluate())
+                self._log(0, self.evaluate())
             while self.step < cfg.max_steps and not self.budget_spent():
                 batch, stats, t0 = self.collect()
                 metrics = self.train_step(batch)
@@ -410,7 +442,7 @@ class Trainer:
                 evaluated = False
             self.refuse_untrained()
             if cfg.eval_at_ends and not evaluated:  # max_steps=0: the evaluation before is the one after
-                self.logger.log(self.step, self.evaluate())
+                self._log(self.step, self.evaluate())
             self.finish()
         return self.out_dir
 
@@ -484,7 +516,7 @@ class Trainer:
             or self.budget_spent()
             or any(k.startswith("eval/") for k in metrics)
         ):
-            self.logger.log(self.step, metrics)
+            self._log(self.step, metrics)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(
@@ -499,6 +531,13 @@ class Trainer:
                 f"Stopped by {self._stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.",
                 code,
             )
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        """A row of metrics; the first this start writes also holds its thread count (and the busy cores it measured)."""
+        first, self._first_row = self._first_row, {}
+        if first and self.threads.busy is not None:
+            first["threads/busy_cores"] = round(self.threads.busy, 3)
+        self.logger.log(step, {**metrics, **first})
 
     def finish(self) -> None:
         """The last checkpoint, the final model folder and its card."""
