@@ -178,3 +178,33 @@ def test_step_scores_come_back_from_the_reward_worker(tmp_path) -> None:  # noqa
     finally:
         r.close()
     assert s.valid.all() and s.steps == [[(1, 1.0), (4, 0.5)], [(1, 1.0), (2, 0.5)]]
+
+
+class _Bytes:
+    """A byte-level tokenizer: token k is the byte k, 256 is EOS (skipped in decoding), as GPT-2-style tokenizers are."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_over_tokens_and_the_eos() -> None:
+    text = "2×3=6\nok"  # "×" is two bytes: two tokens, the first decoding to U+FFFD alone
+    ids = list(text.encode()) + [256]  # the sampled EOS ends the completion
+    L = len(ids)
+    loss_mask = torch.ones(1, L, dtype=torch.long)
+    # a step ending after "2×" (character 2) lands on the token completing "×" (token 2: bytes 0, 1-2); the
+    # completion's end (character 8) on its last token, the EOS (token 9), as outcome supervision gives it
+    scored = Scores(torch.zeros(1), torch.ones(1, dtype=torch.bool), [], steps=[[(2, 1.0), (8, 0.5)]])
+    R, at, unplaced = place_steps(_Bytes(), scored, [ids], [text], loss_mask)
+    assert not unplaced.any() and at[0].nonzero().flatten().tolist() == [2, L - 1]
+    assert R[0, 2] == 1.0 and R[0, L - 1] == 0.5
+    # outcome rewards only (no step list): one step on the EOS, every token before it sees it
+    R, at, _ = place_steps(
+        _Bytes(), Scores(torch.tensor([1.0]), torch.ones(1, dtype=torch.bool), []), [ids], [text], loss_mask
+    )
+    assert at[0].nonzero().flatten().tolist() == [L - 1] and R[0, L - 1] == 1.0
+    # an empty completion (EOS at once) scored by a number: its one token holds the step
+    R, at, unplaced = place_steps(
+        _Bytes(), Scores(torch.tensor([0.5]), torch.ones(1, dtype=torch.bool), []), [[256]], [""], torch.ones(1, 1)
+    )
+    assert not unplaced.any() and at.tolist() == [[True]] and R[0, 0] == 0.5

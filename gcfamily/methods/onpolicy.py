@@ -214,38 +214,45 @@ def place_steps(
     tokenizer: Any, scored: Any, completion_ids: list[list[int]], texts: list[str], loss_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """step_rewards and step_mask [N, L]: each step's weighted reward on the completion token that holds the step's
-    last character (a number is one step on the last token), and [N] the samples whose text cannot be laid on their
-    tokens exactly (a decoded prefix that is not a prefix of the text), which are then invalid.
+    last character, and [N] the samples whose text cannot be laid on their tokens exactly (a decoded prefix that is not a
+    prefix of the text), which are then invalid.
 
     Token j of a completion covers the characters between len(decode(ids[:j])) and len(decode(ids[:j+1])), decoded as
     the rollout decodes (skip_special_tokens); a step ending at character e lands on the first token whose prefix
-    reaches e."""
+    reaches e. A prefix that ends inside a character (a multi-byte one split over tokens decodes to U+FFFD) covers
+    nothing yet: the character belongs to the token that completes it. A step ending at the completion's end (a number
+    is one such step) lands on its last token, the EOS included, so outcome rewards give every token the outcome
+    advantage, as outcome supervision does."""
     N, L = loss_mask.shape
     rewards, mask = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
     unplaced = torch.zeros(N, dtype=torch.bool)
     if scored.steps is not None:
         steps = scored.steps
-    else:  # outcome rewards only: one step on each valid sample's last token
+    else:  # outcome rewards only: one step at each valid sample's end
         steps = [
             [(max(len(t), 1), r)] if ok else []
             for t, r, ok in zip(texts, scored.rewards.tolist(), scored.valid.tolist())
         ]
     for i, row in enumerate(steps):
-        if not row:
-            continue
         positions = loss_mask[i].nonzero().flatten().tolist()  # where the completion's tokens sit in the row
+        if not row or not positions:
+            continue
         ids, text = completion_ids[i], texts[i]
-        ends = []  # characters covered by tokens 0..j
-        for j in range(len(ids)):
+        inner = [end for end, _ in row if end < len(text)]
+        ends: list[int] = []  # characters covered by tokens 0..j, as far as an inner step needs
+        for j in range(len(ids)) if inner else []:
             prefix = tokenizer.decode(ids[: j + 1], skip_special_tokens=True)
+            if prefix.endswith("\ufffd"):  # inside a character split over tokens
+                ends.append(ends[-1] if ends else 0)
+                continue
             if len(prefix) < len(text) and not text.startswith(prefix):
                 unplaced[i] = True
                 break
             ends.append(len(prefix))
-            if len(prefix) >= len(text):
+            if len(prefix) >= max(inner):
                 break
         for end, score in [] if unplaced[i] else row:
-            j = next((k for k, e in enumerate(ends) if e >= end), None)
+            j = len(positions) - 1 if end >= len(text) else next((k for k, e in enumerate(ends) if e >= end), None)
             if j is None or j >= len(positions):
                 unplaced[i] = True
                 break
