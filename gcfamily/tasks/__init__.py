@@ -8,6 +8,7 @@ from typing import Any
 from gcfamily.errors import GcfError
 from gcfamily.tasks.arithmetic import ArithmeticTask
 from gcfamily.tasks.base import Task
+from gcfamily.tasks.chained import ChainedTask, chained_process_reward, chained_reward
 from gcfamily.tasks.countdown import CountdownTask, countdown_reward, parse_expression
 from gcfamily.tasks.gsm8k import GSM8KTask, gsm8k_row
 from gcfamily.tasks.sorting import SortingTask, sorting_partial_reward, sorting_reward
@@ -18,6 +19,7 @@ TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "countdown": CountdownTask,
     "sorting": SortingTask,
+    "chained": ChainedTask,
     "gsm8k": GSM8KTask,
 }
 
@@ -53,10 +55,13 @@ __all__ = [
     "DEFAULT_TASK",
     "TASKS",
     "ArithmeticTask",
+    "ChainedTask",
     "CountdownTask",
     "GSM8KTask",
     "SortingTask",
     "Task",
+    "chained_process_reward",
+    "chained_reward",
     "countdown_reward",
     "get_task",
     "gsm8k_row",

@@ -1,0 +1,79 @@
+"""`gcf bench --suite unified`: every method from one SFT model, the paper's findings with verdicts (quick, end to end)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gcfamily.bench.unified import FINDINGS, STAGE, UNIFIED, findings_table, verdict
+from gcfamily.errors import GcfError
+
+
+def _gcf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gcfamily", *args], cwd=cwd, capture_output=True, text=True, timeout=900
+    )
+
+
+def test_quick_unified_suite_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "u"
+    r = _gcf("bench", "--suite", "unified", "--quick", "--output-dir", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads((out / "bench.json").read_text())
+    runs = data["results"]
+    assert set(runs) == {STAGE, *UNIFIED["quick"]["methods"]}
+    assert all(x["returncode"] == 0 and x["steps"] > 0 for x in runs.values())
+    pi_sft = str((out / STAGE).resolve())
+    assert all(
+        data["settings"][m]["model"] == pi_sft for m in UNIFIED["quick"]["methods"]
+    )  # stage 2 starts from pi_sft
+    assert data["settings"]["dpo"]["pairs"] == "own-samples" and (out / "dpo" / "pools" / "dpo-pairs.jsonl").is_file()
+    assert (out / "rft-offline" / "pools" / "rft-offline.jsonl").is_file()
+    # the same prompts a step for every method of stage 2, the same steps: the same prompts seen
+    assert len({x["prompts_seen"] for k, x in runs.items() if k != STAGE}) == 1
+    md = (out / "bench.md").read_text()
+    assert "## Findings" in md and md.count("| (") == len(FINDINGS)
+    assert [f["finding"] for f in data["findings"]] == [f[0] for f in FINDINGS]
+    # the same command again keeps every finished run
+    again = _gcf("bench", "--suite", "unified", "--quick", "--output-dir", str(out), cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.count("kept the finished run") == len(runs)
+
+
+def test_verdicts() -> None:
+    def d(lo: float, hi: float) -> dict:
+        return {"diff": (lo + hi) / 2, "lo": lo, "hi": hi, "p_value": 0.5}
+
+    assert verdict(d(0.01, 0.2)) == "holds" and verdict(d(-0.2, -0.01)) == "reversed"
+    assert verdict(d(-0.1, 0.1)) == "not significant" and verdict(None) == "not measured"
+    assert verdict(d(-0.1, 0.1), want_positive=False).startswith("holds")  # (4b): no significant Pass@K gain
+    assert verdict(d(0.05, 0.1), want_positive=False).startswith("does not hold")
+    table = findings_table(
+        [
+            {
+                "finding": "(1) x",
+                "a": "rft",
+                "b": "rft-offline",
+                "figure": "accuracy",
+                "difference": d(0.01, 0.2),
+                "verdict": "holds",
+            }
+        ]
+    )
+    assert "+0.105" in table and "[+0.010, +0.200]" in table and "holds" in table
+
+
+def test_unified_refuses_what_it_decides_itself(tmp_path: Path) -> None:
+    r = _gcf(
+        "bench", "--suite", "unified", "--quick", "--methods", "sft", "--output-dir", str(tmp_path / "x"), cwd=tmp_path
+    )
+    assert (
+        r.returncode == 2 and "--methods does not go with --suite unified" in r.stderr and "Traceback" not in r.stderr
+    )
+    from gcfamily.bench.unified import plans_of
+
+    with pytest.raises(GcfError, match="names no run of the unified suite"):
+        plans_of(tmp_path, True, 1, {"nosuch.lr": "1"}, None, None)
