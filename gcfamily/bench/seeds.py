@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gcfamily.bench.report import fmt
 from gcfamily.core.stats import mean_interval, seeds_bootstrap, wilson
@@ -98,12 +98,17 @@ def aggregate(runs: list[dict[str, Any]], accuracy: bool = True) -> dict[str, An
     return out
 
 
-def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]], accuracy: bool = True) -> Optional[dict[str, Any]]:
-    """The difference in final held-out accuracy to the baseline: `seeds_bootstrap` over each method's successful seeds,
-    on the prompts every one of those runs answered (matched by position and text)."""
-    got = [
-        [heldout(Path(r["folder"]), accuracy=accuracy) for r in rs if r.get("returncode") == 0] for rs in (runs, base)
-    ]
+def paired(
+    runs: list[dict[str, Any]],
+    base: list[dict[str, Any]],
+    accuracy: bool = True,
+    score: Optional[Callable[[dict[str, Any]], Optional[dict[tuple[int, str], float]]]] = None,
+) -> Optional[dict[str, Any]]:
+    """The difference in final held-out accuracy to the baseline (or in `score`, a run's per-prompt figure keyed by
+    (index, prompt)): `seeds_bootstrap` over each method's successful seeds, on the prompts every one of those runs
+    answered (matched by position and text)."""
+    score = score or (lambda r: heldout(Path(r["folder"]), accuracy=accuracy))
+    got = [[score(r) for r in rs if r.get("returncode") == 0] for rs in (runs, base)]
     got = [[x for x in g if x] for g in got]
     if not got[0] or not got[1]:
         return None

@@ -196,17 +196,9 @@ def _per_prompt(run: dict[str, Any], figure: str) -> Optional[dict[tuple[int, st
 
 def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], figure: str) -> Optional[dict[str, Any]]:
     """mean(a) - mean(b) of `figure` with seeds_bootstrap over the prompts every run scored (and the seeds)."""
-    from gcfamily.core.stats import seeds_bootstrap
+    from gcfamily.bench.seeds import paired
 
-    got = [[_per_prompt(r, figure) for r in runs if r.get("returncode") == 0] for runs in (a, b)]
-    got = [[x for x in g if x] for g in got]
-    if not got[0] or not got[1]:
-        return None
-    keys = sorted(set.intersection(*(set(x) for g in got for x in g)))
-    if not keys:
-        return None
-    xa, xb = ([[x[k] for k in keys] for x in g] for g in got)
-    return seeds_bootstrap(xa, xb)
+    return paired(a, b, score=lambda run: _per_prompt(run, figure))
 
 
 def verdict(d: Optional[dict[str, Any]], want_positive: bool = True) -> str:
