@@ -15,7 +15,6 @@ Returns the run folder. Errors are `gcfamily.errors.GcfError` with one sentence.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ def default_output_dir(cfg: Any, resume: Optional[str] = None) -> Any:
     if resume not in (None, "latest"):
         p = Path(resume)  # type: ignore[arg-type]
         run_dir = p.parent.parent if p.parent.name == "checkpoints" else p
-        return dataclasses.replace(cfg, output_dir=str(run_dir))
+        return cfg.replace(output_dir=str(run_dir))
     if resume == "latest":
         raise GcfError("--resume without a path needs --output-dir (the folder of the run to continue).")
     stamp = os.environ.get("TORCHELASTIC_RUN_ID") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
@@ -41,7 +40,7 @@ def default_output_dir(cfg: Any, resume: Optional[str] = None) -> Any:
     from gcfamily.methods import method_label
 
     model = Path(cfg.model).name or "model"
-    return dataclasses.replace(cfg, output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
+    return cfg.replace(output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
 
 
 def _reward_label(r: Any) -> str:

@@ -125,10 +125,8 @@ def resolve_settings(cfg: Config, method_cls: Any) -> Config:
 
 def apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
     """Return a copy of cfg with values applied: shared keys typed now, the rest kept for the method."""
-    out = Config(
-        **{f.name: getattr(cfg, f.name) for f in fields(Config) if f.name not in ("settings", "method_options")},
-        method_options=dict(cfg.method_options),
-    )
+    out = Config(**{f.name: getattr(cfg, f.name) for f in fields(Config)}, method_options=dict(cfg.method_options))
+    out.explicit = list(cfg.explicit)  # the method's settings are typed again once the method is known
     for k, v in values.items():
         key = k.replace("-", "_")
         if key in INTERNAL:

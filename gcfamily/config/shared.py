@@ -22,6 +22,17 @@ from gcfamily.config.rules import (
 )
 
 
+@dataclass
+class Resolution:
+    """What resolving a Config adds beside the user's settings, kept apart from them: which settings were given, the
+    method's own settings as given, and those settings typed by the method's class. Not a setting: `gcf settings` does
+    not list it, a recipe cannot set it, and Config's fields are the user's settings alone."""
+
+    explicit: list = field(default_factory=list)
+    method_options: dict = field(default_factory=dict)
+    settings: Any = None
+
+
 @dataclass(init=False)
 class Config(DataSettings):
     """The shared settings, plus the run's method settings (`settings`, once the method is known); the data settings are in config/data.py."""
@@ -192,15 +203,9 @@ class Config(DataSettings):
     activation_checkpointing: bool = False
     """Recompute decoder layers in the backward to save memory."""
 
-    explicit: list = field(default_factory=list)
-    """Settings given by a recipe or on the command line (filled in by gcf); a method's own defaults never override them."""
-    method_options: dict = field(default_factory=dict)
-    """Method settings as given, before the method's Settings class types and checks them (internal)."""
-    settings: Any = None
-    """The method's own settings (an instance of its Settings dataclass; internal)."""
-
     def __init__(self, **values: Any) -> None:
         """Shared settings by name; any other key is kept for the method's own settings (checked by `settings_for`)."""
+        object.__setattr__(self, "_resolved", Resolution())
         for f in fields(Config):
             object.__setattr__(self, f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)  # type: ignore[misc]
         for k, v in values.items():
@@ -211,9 +216,44 @@ class Config(DataSettings):
             else:
                 self.method_options[k] = v
 
+    # -- the run's record beside the settings (Resolution), read and written through these names
+    @property
+    def explicit(self) -> list:
+        """Settings given by a recipe, the command line or train()'s keywords; a method's own defaults never override them."""
+        return self._resolved.explicit
+
+    @explicit.setter
+    def explicit(self, value: list) -> None:
+        self._resolved.explicit = value
+
+    @property
+    def method_options(self) -> dict:
+        """The method's own settings as given, before its Settings class types and checks them."""
+        return self._resolved.method_options
+
+    @method_options.setter
+    def method_options(self, value: dict) -> None:
+        self._resolved.method_options = value
+
+    @property
+    def settings(self) -> Any:
+        """The method's own settings, an instance of its Settings dataclass, once resolved (config.resolve_settings)."""
+        return self._resolved.settings
+
+    @settings.setter
+    def settings(self, value: Any) -> None:
+        self._resolved.settings = value
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with shared settings changed (dataclasses.replace), carrying a copy of the run's record."""
+        out = dataclasses.replace(self, **changes)
+        old = self._resolved
+        object.__setattr__(out, "_resolved", Resolution(list(old.explicit), dict(old.method_options), old.settings))
+        return out
+
     def __setattr__(self, name: str, value: Any) -> None:
         # one spelling per setting: a method's own settings are cfg.settings.X, never cfg.X
-        if name not in FIELD_NAMES and not name.startswith("_"):
+        if name not in FIELD_NAMES and name not in INTERNAL and not name.startswith("_"):
             raise AttributeError(
                 f"Config has no shared setting {name!r}; a method's own settings are cfg.settings.{name}"
             )
