@@ -211,6 +211,8 @@ class Config(DataSettings):
         for k, v in values.items():
             if k == "method_options":
                 self.method_options.update(v)
+            elif k in ("explicit", "settings"):  # the run's record, given whole (Config(explicit=[...]))
+                object.__setattr__(self, k, v)
             elif k in FIELD_NAMES:
                 object.__setattr__(self, k, v)
             else:
