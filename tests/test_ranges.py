@@ -48,6 +48,7 @@ RANGES = {
     "log_completions_every": ("int", 0, INF, False, False),
     "lora_r": ("int", 0, INF, False, False),
     "max_time": ("float", 0, INF, False, True),
+    "epochs": ("float", 0, INF, False, True),
     "norm_constant": ("float", 0, INF, True, True),
     "lr": ("float", 0, INF, True, True),
     "weight_decay": ("float", 0, INF, False, True),

@@ -76,6 +76,9 @@ class Config(DataSettings):
     # --- the step
     max_steps: int = setting(100, whole(0), ">= 0")
     """Number of training steps (each step draws one batch)."""
+    epochs: float = setting(0.0, real(0), ">= 0 and finite (0 = no epoch limit)")
+    """Also stop after this many passes over the training rows or prompts (TRL's num_train_epochs; fractions allowed;
+    0 = no limit). With epochs given and max_steps not given, max_steps becomes the steps that many passes take."""
     max_time: float = setting(0.0, real(0), ">= 0 and finite (0 = no limit)")
     """Also stop once the training steps have taken this many seconds (evaluation not counted; 0 = no limit).
     Checked after each step, so the last step may overrun; the lr schedule still spans max_steps."""
