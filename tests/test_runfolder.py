@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import metrics_rows
 
 SMALL = ["--set", "progress=false", "--set", "batch_size=2", "--set", "max_new_tokens=4"]
@@ -75,22 +74,26 @@ def test_a_live_lock_is_refused_and_a_stale_one_taken_over(gcf, tmp_path):
     out = tmp_path / "r"
     out.mkdir()
     lock = out / ".gcf.lock"
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = (  # a process that holds the folder's lock as a run does, until it is killed
+        "import sys, time; from pathlib import Path; from gcfamily.run.lock import RunLock; "
+        "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)"
+    )
+    live = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)
     try:
-        lock.write_text(
-            json.dumps({"pid": live.pid, "host": os.uname().nodename, "started": 0})
-        )  # another live process
+        assert live.stdout.readline().strip() == "held"
         code, _, err = run(gcf, out, steps=1)
         one_error(code, err, f"is in use by a running gcfamily run (pid {live.pid}")
     finally:
         live.kill()
         live.wait()
+    code, _, err = run(gcf, out, steps=1)  # killed: its lock stays, and is stale
+    assert code == 0 and f"took over the lock of a run that is gone (pid {live.pid}" in err
+    assert not lock.exists()  # released at the end
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0}))
-    code, out_text, err = run(gcf, out, steps=1)
+    lock.write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0}))  # a lock of before flock
+    code, _, err = run(gcf, out, "--overwrite", steps=1)
     assert code == 0 and f"took over the lock of a run that is gone (pid {dead.pid}" in err
-    assert not lock.exists()  # released at the end
 
 
 def test_resume_refuses_changed_settings_unless_allowed_and_then_applies_them(gcf, tmp_path):
@@ -256,6 +259,11 @@ def _has_a_step(out):
 def test_two_runs_started_into_one_folder_never_interleave(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "r"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # a stale lock to take over: both judge it stale, exactly one takes it (tests/test_runfolder_attacks.py races twelve)
+    (out / ".gcf.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": 0}))
     # Both race for the lock; whichever wins runs until it is stopped, so the other always meets it running (60 steps of
     # the tiny model take under a second: a finished first run left the second free to --overwrite it, and both exited 0).
     procs = [
@@ -308,7 +316,9 @@ def test_sigkill_to_the_launcher_leaves_no_worker_behind(tmp_path):
         assert (out / "metrics.jsonl").is_file(), "the workers never started"
         workers = [
             int(p)
-            for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+            for p in subprocess.run(
+                ["pgrep", "-P", str(launcher.pid)], check=False, capture_output=True, text=True
+            ).stdout.split()
         ]
         assert len(workers) == 2
         os.kill(launcher.pid, signal.SIGKILL)

@@ -6,7 +6,11 @@ it was written under, which a resume compares with, into whatever folder it cont
 folder that has the marker, so a process killed mid-write never leaves a half checkpoint
 that would be picked up. `manifest.json` records the size and sha256 of every file; `--resume`
 checks it and falls back to the newest intact checkpoint when the newest is damaged (a file
-truncated, missing or changed), saying so.
+truncated, missing or changed, or a manifest or state file that cannot be read), saying so.
+
+A write either completes or leaves nothing: any failure (a full disk at the weights, the state, the manifest, the
+marker or the rename) removes the temporary folder and ends in one sentence naming the last intact checkpoint; a
+checkpoint of the same step already in place is swapped out by renames and put back if the swap fails.
 """
 
 from __future__ import annotations
@@ -14,20 +18,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import random
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from gcfamily.errors import GcfError
+from gcfamily.run.writes import os_error
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
+STATE_KEYS = ("step", "optimizer", "scheduler", "rng", "method")
+"""What a run's state.pt holds at least (Trainer.training_state)."""
 SETTINGS = "run_config.json"  # the run's settings when the checkpoint was written (gcfamily/run/saving.py)
 
 
@@ -95,6 +103,7 @@ def save(
             )
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    prev = root / f".tmp-old-step-{step}-{os.getpid()}"
     try:  # every write, up to the rename: a full disk or a lost permission at any of them leaves the earlier checkpoints as they were
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -108,12 +117,19 @@ def save(
         (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
         (tmp / MARKER).write_text(str(step))
         _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
+        if final.exists():  # the same step again (a resume from before it): swapped by renames, put back on failure
+            os.replace(final, prev)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if prev.exists() and not final.exists():
+                os.replace(prev, final)
+            raise
+    except BaseException as e:  # a full disk surfaces as OSError, RuntimeError (torch) or the Rust writers' own types
         shutil.rmtree(tmp, ignore_errors=True)
+        cause = os_error(e) if isinstance(e, Exception) else None
+        if cause is None:
+            raise  # not a failed write (an interrupt, a mistake): the temporary folder is gone, the error shows as it is
         last = complete_checkpoints(root)
         kept = (
             f"the checkpoint of step {last[-1].name[5:]} is intact: free some disk space (or lower keep_last) and continue with --resume"
@@ -121,11 +137,21 @@ def save(
             else "no checkpoint of this run was saved, so its steps are lost: free some disk space and run it again"
         )
         raise GcfError(
-            f"Could not write the checkpoint of step {step} under {root} ({str(e).strip().splitlines()[-1][:200]}); {kept}."
+            f"Could not write the checkpoint of step {step} under {root} ({_cause(e, cause)}); {kept}."
         ) from e
+    shutil.rmtree(prev, ignore_errors=True)
+    try:
+        _fsync_dir(root)
+    except OSError:  # the checkpoint is whole and named: a failed sync of the folder weakens only its durability
+        pass
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _cause(e: BaseException, cause: OSError) -> str:
+    text = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
+    return text or cause.strerror or type(e).__name__
 
 
 def _test_pause() -> None:
@@ -170,7 +196,8 @@ def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def damage(path: Path) -> str | None:
-    """Why a checkpoint folder cannot be trusted (a file missing, truncated or changed), or None when it is intact."""
+    """Why a checkpoint folder cannot be trusted (a file missing, truncated, changed or unreadable, a manifest that is
+    not one), or None when it is intact."""
     for name in ("model.safetensors", "state.pt"):
         if not (path / name).is_file():
             return f"{name} is missing"
@@ -178,16 +205,27 @@ def damage(path: Path) -> str | None:
         return None  # written before manifests existed: loading will tell
     try:
         files = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return f"{MANIFEST} is unreadable"
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{MANIFEST} is unreadable ({getattr(e, 'strerror', None) or str(e)[:80] or type(e).__name__})"
+    if not isinstance(files, dict) or not files:
+        return f"{MANIFEST} holds {json.dumps(files)[:40]}, not the size and sha256 of each file"
     for name, want in files.items():
+        if (
+            not isinstance(want, dict)
+            or not isinstance(want.get("size"), int)
+            or not isinstance(want.get("sha256"), str)
+        ):
+            return f"{MANIFEST} records no size and sha256 for {name}"
         f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want.get("size"):
-            return f"{name} has {f.stat().st_size} bytes, not the {want.get('size')} written"
-        if _sha256(f) != want.get("sha256"):
-            return f"{name} changed since it was written"
+        try:
+            if not f.is_file():
+                return f"{name} is missing"
+            if f.stat().st_size != want["size"]:
+                return f"{name} has {f.stat().st_size} bytes, not the {want['size']} written"
+            if _sha256(f) != want["sha256"]:
+                return f"{name} changed since it was written"
+        except OSError as e:
+            return f"{name} cannot be read ({e.strerror or e})"
     return None
 
 
@@ -247,8 +285,16 @@ def load(path: Path, model: torch.nn.Module, keys: set[str] | None = None) -> di
             f"{unexpected[:3]}); resume with the --model and lora_r the run started with."
         )
     try:
-        return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
-    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it without running it)
+        state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it without running it), no permission
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise GcfError(
-            f"Checkpoint {path} has an unreadable state.pt ({str(e).splitlines()[0][:160]}); resume from an earlier checkpoint."
+            f"Checkpoint {path} has an unreadable state.pt ({first}); resume from an earlier checkpoint."
         ) from e
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        what = f"no {', '.join(missing[:3])}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise GcfError(
+            f"Checkpoint {path} has a state.pt that holds {what}, not a run's training state; resume from an earlier checkpoint."
+        )
+    return state

@@ -3,25 +3,32 @@ settings against its checkpoint's and choose that checkpoint (rank 0 decides for
 does the file work), and change nothing in the folder until the start commits. An object the Trainer holds, given the
 settings, the processes and the folder.
 
-A start opens the folder (`open`: checks that read, an --overwrite's old run only set aside), builds everything that can
-fail (models, data, rewards, the method, a resumed checkpoint, the logger), then `commit`s: the set-aside run goes, logs
-past the resumed step are dropped, run_config.json is written. A start that fails before then is `abandon`ed: what it
-wrote is removed and what it set aside put back, so the folder is byte for byte as it was; the lock goes either way.
+A start opens the folder (`open`: checks that read, every refusal of the folder's contents made before anything moves,
+an --overwrite's old run only set aside, and the run's record of the names it owns written before the run writes
+anything), builds everything that can fail (models, data, rewards, the method, a resumed checkpoint, the logger), then
+`commit`s: the set-aside run goes, logs past the resumed step are dropped, the checkpoints of the branch a resume leaves
+are set apart, run_config.json is written and the record gains this segment. A start that fails before then is
+`abandon`ed: what it wrote is removed, what it set aside put back and the record's old bytes written back, so the folder
+is byte for byte as it was; the lock goes either way.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
-from gcfamily.run import checkpoint, transaction as runfolder
-from gcfamily.core import engine
-from gcfamily.models import lora
 from gcfamily.config import to_dict
+from gcfamily.core import engine
 from gcfamily.errors import GcfError
+from gcfamily.models import lora
+from gcfamily.run import checkpoint
+from gcfamily.run import transaction as runfolder
+from gcfamily.run.lock import RunLock
+from gcfamily.run.writes import write_atomic
 
 
 class RunFolder:
@@ -31,16 +38,19 @@ class RunFolder:
         self.cfg, self.dist = cfg, dist
         self.is_main = dist is None or dist.rank == 0
         self.out_dir = Path(cfg.output_dir)
-        self.lock = runfolder.RunLock(self.out_dir)
-        self.change: Optional[dict[str, Any]] = None
+        self.lock = RunLock(self.out_dir)
+        self.change: dict[str, Any] | None = None
         """A resume's changed settings (allow_changed_settings), or None."""
-        self.record: Optional[dict[str, Any]] = None
+        self.record: dict[str, Any] | None = None
         """The settings the run records (run_config.json, and a copy in each checkpoint); rank 0 only."""
         self.committed = False
-        self._before: Optional[set[str]] = None  # the folder's paths when this start began (rank 0)
+        self._before: set[str] | None = None  # the folder's paths when this start began (rank 0)
         self._made: list[Path] = []  # the folders this start made, deepest first
         self._aside: list[str] = []  # what --overwrite set aside
-        self._resume_step: Optional[int] = None
+        self._resume_step: int | None = None
+        self._resume_path: str | None = None
+        self._run: dict[str, Any] | None = None  # the run's record (transaction.RECORD) this start writes
+        self._record_bytes: bytes | None = None  # the record's bytes before this start (written back if it fails)
 
     def decide(self, fn: Callable[[], Any]) -> Any:
         """fn() run once, on rank 0 under torch.distributed, its result (or its one-sentence error) on every rank."""
@@ -57,13 +67,14 @@ class RunFolder:
             raise GcfError(err)
         return out
 
-    def open(self, resume: Optional[str]) -> Optional[Path]:
+    def open(self, resume: str | None) -> Path | None:
         """Refuse a folder that would lose or mix work, take its lock, check a resume's settings and choose its
-        checkpoint (rank 0 chooses for all); returns it. Nothing in the folder is changed: an --overwrite's old run is
-        set aside until `commit`."""
+        checkpoint (rank 0 chooses for all); returns it. Nothing already in the folder is changed: an --overwrite's old
+        run is set aside until `commit`, and the run's record (the names it owns) is written with its old bytes kept
+        for `abandon`."""
         cfg, out = self.cfg, self.out_dir
 
-        def prepare() -> tuple[Optional[str], Optional[dict[str, Any]]]:
+        def prepare() -> tuple[str | None, dict[str, Any] | None]:
             runfolder.check_target(out, cfg.model, resume, cfg.overwrite)
             self._made = [d for d in (out, *out.parents) if not d.exists()]
             try:
@@ -83,7 +94,7 @@ class RunFolder:
         path, self.change = self.decide(prepare)
         return None if path is None else Path(path)
 
-    def _prepare(self, resume: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+    def _prepare(self, resume: str | None) -> tuple[str | None, dict[str, Any] | None]:
         """Rank 0, holding the lock: (the checkpoint to resume, the change of settings); the record to write."""
         cfg, out = self.cfg, self.out_dir
         back = runfolder.put_back(out)  # a killed --overwrite start's: we hold the lock, so that start is gone
@@ -92,11 +103,15 @@ class RunFolder:
                 f"note: put back the run in {out} that an --overwrite start set aside and never finished ({_names(back)}).",
                 file=sys.stderr,
             )
+        old = runfolder.read_record(out)
+        if old is not None and old.get("pending"):  # a resume's commit killed while it set an older branch apart
+            runfolder.finish_pending(out, old)
+        runfolder.check_contents(out, cfg.model, resume, cfg.overwrite, old)
         self._before = runfolder.snapshot(out)
+        if (out / runfolder.RECORD).is_file():
+            self._record_bytes = (out / runfolder.RECORD).read_bytes()
         record = to_dict(cfg)
         path, change = None, None
-        if resume is None and cfg.overwrite:
-            self._aside = runfolder.set_aside(out)
         if resume is not None:
             path = checkpoint.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
@@ -107,13 +122,18 @@ class RunFolder:
             record["changes"] = ((saved or {}).get("changes") or []) + (
                 [{"step": step, "changed": change["changed"]}] if change else []
             )
-            self._resume_step = step
+            self._resume_step, self._resume_path = step, str(path)
+        if resume is None and cfg.overwrite:
+            self._aside = runfolder.set_aside(out)
+        self._run = runfolder.claim(out, old, keep=resume is not None)
+        runfolder.write_record(out, self._run)  # before the run writes anything that it will own
         self.record = record
         return (None if path is None else str(path)), change
 
     def commit(self) -> None:
         """Every check of the start has passed: the set-aside run goes, half-written checkpoints and the logs past the
-        resumed step are dropped, and run_config.json is written. From here on the folder is this run's."""
+        resumed step are dropped, the checkpoints of the branch a resume leaves are set apart, run_config.json is
+        written and the record gains this segment. From here on the folder is this run's."""
 
         def write() -> None:
             out = self.out_dir
@@ -124,11 +144,14 @@ class RunFolder:
                     file=sys.stderr,
                 )
             runfolder.clean_partial_checkpoints(out)
+            run = self._run if self._run is not None else runfolder.claim(out, runfolder.read_record(out), keep=True)
             if self._resume_step is not None:
                 runfolder.truncate_logs(out, self._resume_step)
-            tmp = out / ".run_config.json.tmp"
-            tmp.write_text(json.dumps(self.record, indent=2))
-            os.replace(tmp, out / "run_config.json")
+                runfolder.supersede(out, run, self._resume_step)
+            write_atomic(out / "run_config.json", json.dumps(self.record, indent=2), run_dir=out)
+            start = self._resume_step if self._resume_path is not None else 0
+            run["segments"].append({"start": start, "from": self._resume_path, "at": time.time()})
+            runfolder.write_record(out, run)
 
         self.decide(write)
         self.committed = True
@@ -146,6 +169,11 @@ class RunFolder:
             if self.is_main and self._before is not None:
                 runfolder.remove_new(self.out_dir, self._before)
                 runfolder.put_back(self.out_dir)
+                record = self.out_dir / runfolder.RECORD
+                if self._record_bytes is not None and (
+                    not record.is_file() or record.read_bytes() != self._record_bytes
+                ):
+                    write_atomic(record, self._record_bytes)
         finally:
             self.lock.release()
             for d in self._made if self.is_main else []:
@@ -165,7 +193,7 @@ class RunFolder:
         runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1), reclaim)
 
 
-def _but_threads(settings: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def _but_threads(settings: dict[str, Any] | None) -> dict[str, Any] | None:
     """Settings less `threads`: a resume may give it freely, as it may give the device; the Trainer keeps the count the
     checkpoint recorded unless it is given, and says when a change ends bitwise equality (gcfamily/core/threads.py)."""
     return None if settings is None else {k: v for k, v in settings.items() if k != "threads"}

@@ -1,43 +1,57 @@
 """The run folder as a transaction: one owner at a time, never two runs mixed, resume means the same run, and a start
 that fails leaves the folder as it was.
 
-- A lock file (`.gcf.lock`: pid, host, start time) is taken before anything is written. A folder that a
-  live run holds is refused in one sentence; a lock whose process is gone (same host) is taken over,
-  and said so.
-- A folder that holds another run is refused unless --overwrite or --resume. --overwrite sets that run's
-  files (settings, metrics, checkpoints, logs, the final model) aside in `.gcf-replaced/` while the start
-  runs its checks, and removes them only once every check has passed, so nothing of the old run is
-  mixed in and a start that fails loses nothing; a set-aside run that a killed start left is put back by
-  the next start. A folder that holds a model or other files but no run is refused unless --overwrite;
-  the folder that is the --model itself is always refused.
-- A resume compares the requested settings with those the checkpoint was written under (recorded in the
-  checkpoint; for an older checkpoint, its run folder's run_config.json), wherever the run continues: a
-  setting that changes the trajectory may differ only with allow_changed_settings=true, which records
-  the change; metrics and completions logged after the resumed step are dropped (they are about to be
-  logged again), and half-written checkpoint folders are removed.
+- The lock (`.gcf.lock`, gcfamily/run/lock.py) is taken before anything is written: one owner at a time.
+- The run's record (`.gcf-run.json`) lists the top-level names the run owns: every gcfamily run name (RUN_FILES,
+  model-*.safetensors shards, .tmp-* leftovers) that nothing held when a start claimed it, written before the run
+  writes anything. A name claimed stays the run's (a file the user puts there later counts as the run's). --overwrite
+  removes exactly the owned entries (and the record), nothing else; a folder with no record is a run only when it holds
+  a run_config.json that gcfamily wrote (a dict naming a `method`), written before records existed: its owned entries
+  are the gcfamily run names present. A folder whose entries bear gcfamily's names but were not written by a run (a
+  user's own `checkpoints/` or `vocab.json`) is refused, with or without --overwrite, and so is the current directory
+  (an explicit --output-dir, please). A folder of other files and no run is refused without --overwrite; with it the
+  run writes beside them and removes none (`gcf bench` writes its spec and log into a run's folder before the run
+  starts with --overwrite). User files beside a run's are never removed.
+- A folder that holds another run is refused unless --overwrite or --resume. --overwrite sets the owned entries aside
+  in `.gcf-replaced/` while the start runs its checks, and removes them only once every check has passed; a set-aside
+  run that a killed start left is put back by the next start. A --model inside an entry of the run (its checkpoints)
+  is refused before anything moves; so is the folder that is the --model itself.
+- The record also lists the run's segments: where each start began (step, and the checkpoint it resumed). A resume
+  from step b supersedes the folder's checkpoints past b (an older branch): at commit they move to
+  `checkpoints/replaced-at-step-b/` (named in the record first, so a kill mid-move is finished by the next start), so
+  `--resume` (latest) continues the newest segment and never an older branch. A resume of a checkpoint from outside
+  the folder's checkpoints/ into a folder that holds a run is refused (two runs would mix).
+- A resume compares the requested settings with those the checkpoint was written under (recorded in the checkpoint;
+  for an older checkpoint, its run folder's run_config.json), wherever the run continues: a setting that changes the
+  trajectory may differ only with allow_changed_settings=true, which records the change; metrics and completions
+  logged after the resumed step are dropped (they are about to be logged again), and half-written checkpoint folders
+  are removed.
 - Before training the folder must be writable and hold room for a checkpoint.
-- Until the start commits (RunFolder.commit) nothing already in the folder is changed or removed, only
-  set aside; a start that fails removes what it wrote (`snapshot`, `remove_new`) and puts back what it
-  set aside, so the folder is byte for byte as it was, and a folder it made is removed.
+- Until the start commits (RunFolder.commit) nothing already in the folder is changed or removed, only set aside (the
+  record excepted: its old bytes are kept and written back); a start that fails removes what it wrote (`snapshot`,
+  `remove_new`) and puts back what it set aside, so the folder is byte for byte as it was, and a folder it made is
+  removed.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
 import os
 import shutil
-import socket
 import sys
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from gcfamily.errors import GcfError
+from gcfamily.run.lock import LOCK
+from gcfamily.run.writes import WriteFailed, write_atomic
 
-LOCK = ".gcf.lock"
 ASIDE = ".gcf-replaced"
 """Where --overwrite keeps the previous run's files until the start commits."""
-RUN_MARKERS = ("run_config.json", "metrics.jsonl", "checkpoints")
+RECORD = ".gcf-run.json"
+"""The run's record: the names it owns, its segments."""
 RUN_FILES = (
     "run_config.json",
     "metrics.jsonl",
@@ -66,7 +80,8 @@ RUN_FILES = (
     "value_head.safetensors",
     "pools",
 )
-"""What a gcfamily run writes; --overwrite removes these (and model-*.safetensors shards), nothing else."""
+"""What a gcfamily run writes (with model-*.safetensors shards and .tmp-* leftovers): the names a start claims."""
+CLAIMS = (*RUN_FILES, "model-*.safetensors", ".tmp-*")
 
 RESUMABLE = {
     "output_dir",
@@ -97,89 +112,78 @@ RESUMABLE = {
 """Settings a resume may change freely: where and how often to log, evaluate, save, and when to stop."""
 
 
-# --------------------------------------------------------------------------- the lock
+# --------------------------------------------------------------------------- what a folder holds, and whose it is
 
 
-def _alive(pid: int) -> bool:
+def _internal(name: str) -> bool:
+    """gcfamily's own bookkeeping beside a run (the lock and its temporary links, the record, the set-aside run, a
+    write probe): never a user's file, never a run's output."""
+    return name.startswith(".gcf")
+
+
+def read_record(out_dir: Path) -> dict[str, Any] | None:
+    """The run's record (module docstring), or None when the folder has none; one sentence when it cannot be read."""
+    path = out_dir / RECORD
+    if not path.is_file():
+        return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        record = json.loads(path.read_text())
+        ok = isinstance(record, dict) and isinstance(record.get("owns"), list)
+        ok = ok and all(isinstance(n, str) for n in record["owns"]) and isinstance(record.get("segments", []), list)
+    except (OSError, ValueError, RecursionError) as e:
+        record, ok = None, False
+        why = str(e)[:80] or type(e).__name__
+    else:
+        why = "not a record of owned names and segments"
+    if not ok:
+        raise GcfError(
+            f"The run record {path} cannot be read ({why}), so what the run in {out_dir} owns is unknown; restore it, "
+            f"or choose another --output-dir."
+        )
+    return record
+
+
+def _legacy_run(out_dir: Path) -> bool:
+    """A run written before records existed: its run_config.json is one gcfamily wrote (a dict naming a method)."""
+    try:
+        saved = json.loads((out_dir / "run_config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+    return isinstance(saved, dict) and "method" in saved
 
 
-class RunLock:
-    """`out_dir/.gcf.lock`, created exclusively; released on close (and left stale by a killed process, then taken over)."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.path = out_dir / LOCK
-        self.held = False
-
-    def acquire(self) -> Optional[str]:
-        """Take the lock; returns a note when a stale lock was taken over; one sentence when a live run holds it."""
-        note = None
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is None:  # being written by its owner, or unreadable: look again
-                    time.sleep(0.2)
-                    owner = self._owner() or {}
-                pid, host = int(owner.get("pid", -1)), str(owner.get("host", "?"))
-                if host == socket.gethostname() and pid == os.getpid():
-                    self.path.unlink(
-                        missing_ok=True
-                    )  # this process's own: a Trainer built here earlier and never run (a notebook, a test)
-                    continue
-                if (host == socket.gethostname() and pid > 0 and not _alive(pid)) or (
-                    owner.get("pid") is None and self._older_than(10)
-                ):
-                    self.path.unlink(missing_ok=True)  # a stale lock: its process is gone
-                    note = (
-                        f"note: took over the lock of a run that is gone (pid {pid} on {host}) in {self.path.parent}."
-                    )
-                    continue
-                where = f"pid {pid} on {host}" if host != "?" else "another process"
-                raise GcfError(
-                    f"Output folder {self.path.parent} is in use by a running gcfamily run ({where}); wait for it to end, "
-                    f"or choose another --output-dir (if that run is gone, delete {self.path})."
-                )
-            with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
-            self.held = True
-            return note
-        raise GcfError(f"Could not take the lock {self.path}; another run keeps taking it.")
-
-    def _owner(self) -> Optional[dict[str, Any]]:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            return None
-
-    def _older_than(self, seconds: float) -> bool:
-        try:
-            return time.time() - self.path.stat().st_mtime > seconds
-        except OSError:
-            return True
-
-    def release(self) -> None:
-        if self.held:
-            owner = self._owner() or {}
-            if owner.get("pid") == os.getpid():
-                self.path.unlink(missing_ok=True)
-            self.held = False
+def owned_names(out_dir: Path, record: dict[str, Any] | None) -> list[str]:
+    """The names (and patterns) the folder's run owns: its record's, or a run of before records, the gcfamily run names
+    present; none for a folder that holds no run."""
+    if record is not None:
+        return list(record["owns"])
+    if _legacy_run(out_dir):
+        return list(CLAIMS)
+    return []
 
 
-# --------------------------------------------------------------------------- what a folder holds
+def _matches(name: str, owns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in owns)
+
+
+def owned_entries(out_dir: Path, record: dict[str, Any] | None = None) -> list[str]:
+    """The folder's top-level entries that its run owns (what --overwrite removes), sorted."""
+    if not out_dir.is_dir():
+        return []
+    if record is None:
+        record = read_record(out_dir)
+    owns = owned_names(out_dir, record)
+    return sorted(p.name for p in out_dir.iterdir() if not _internal(p.name) and _matches(p.name, owns))
 
 
 def holds_run(out_dir: Path) -> bool:
     """A run's files are in the folder, or set aside by an --overwrite start that never committed."""
-    return any((out_dir / m).exists() for m in RUN_MARKERS) or (out_dir / ASIDE).is_dir()
+    return bool(owned_entries(out_dir)) or (out_dir / ASIDE).is_dir()
+
+
+def is_run_file(name: str) -> bool:
+    """A gcfamily run name (RUN_FILES, model-*.safetensors shards, .tmp-* leftovers)."""
+    return _matches(name, list(CLAIMS))
 
 
 def same_folder(a: str | Path, b: str | Path) -> bool:
@@ -189,8 +193,15 @@ def same_folder(a: str | Path, b: str | Path) -> bool:
         return False
 
 
-def check_target(out_dir: Path, model: str, resume: Optional[str], overwrite: bool) -> None:
-    """Refuse a folder that would lose or mix work (module docstring); nothing is written here."""
+def check_target(out_dir: Path, model: str, resume: str | None = None, overwrite: bool = False) -> None:
+    """Refuse, before the lock, a folder no run may write: the current directory, the --model itself, a file; and a run
+    set aside by an --overwrite start (killed, or still running its checks) unless --overwrite or --resume: it counts
+    as the run it is."""
+    if not str(out_dir).strip() or same_folder(out_dir, os.getcwd()):
+        raise GcfError(
+            f"--output-dir {str(out_dir)!r} is the current directory, where a run would write among your own files; "
+            "give the run a folder of its own (e.g. --output-dir runs/my-run)."
+        )
     if Path(model).expanduser().is_dir() and same_folder(out_dir, model):
         raise GcfError(
             f"Output folder {out_dir} is the model being trained (--model {model}); writing there would replace the weights it starts from: "
@@ -198,36 +209,92 @@ def check_target(out_dir: Path, model: str, resume: Optional[str], overwrite: bo
         )
     if out_dir.exists() and not out_dir.is_dir():
         raise GcfError(f"Output folder {out_dir} is a file; choose a folder for --output-dir.")
-    if resume is not None or overwrite or not out_dir.is_dir():
-        return
-    if holds_run(out_dir):
+    if (out_dir / ASIDE).is_dir() and resume is None and not overwrite:
         raise GcfError(
             f"Output folder {out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir."
         )
-    others = sorted(p.name for p in out_dir.iterdir() if p.name != LOCK)
-    if others:
-        what = "a model" if (out_dir / "config.json").is_file() else "files"
-        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+
+
+def _inside(path: Path, folder: Path) -> str | None:
+    """The top-level entry of `folder` that holds `path`, or None when path is not inside folder."""
+    try:
+        rel = path.expanduser().resolve().relative_to(folder.resolve())
+    except (OSError, ValueError):
+        return None
+    return rel.parts[0] if rel.parts else None
+
+
+def check_contents(
+    out_dir: Path, model: str, resume: str | None, overwrite: bool, record: dict[str, Any] | None
+) -> None:
+    """Refuse, holding the lock and before anything moves, a folder that would lose or mix work (module docstring)."""
+    owns = owned_names(out_dir, record)
+    entries = [p.name for p in sorted(out_dir.iterdir()) if not _internal(p.name)]
+    live = [n for n in entries if _matches(n, owns)]
+    foreign = [n for n in entries if not _matches(n, owns)]
+    clash = [n for n in foreign if is_run_file(n)]
+    if clash:
         raise GcfError(
-            f"Output folder {out_dir} holds {what} ({shown}) but no gcfamily run; pass --overwrite to write over them, or another --output-dir."
+            f"Output folder {out_dir} holds {_shown(clash)}, which bear the names of a gcfamily run's files but no run of "
+            "this folder wrote them; a run would write over them: move them, or choose another --output-dir."
+        )
+    top = _inside(Path(model), out_dir) if Path(model).expanduser().exists() else None
+    if top is not None and (_matches(top, owns) or is_run_file(top)):
+        raise GcfError(
+            f"--model {model} lies inside {out_dir / top}, which the run in {out_dir} owns and may replace or remove; "
+            "copy the model elsewhere first, or choose another --output-dir."
+        )
+    latest = resume in ("", "latest", "auto", "true", "True")
+    if resume is not None and not latest and live:
+        path = Path(resume)
+        mine = (out_dir / "checkpoints").resolve()
+        if not (same_folder(path, out_dir) or (path.parent.resolve() == mine and path.name.startswith("step-"))):
+            raise GcfError(
+                f"--resume {resume} is not a checkpoint of the run in {out_dir} (its checkpoints/step-N), and resuming it "
+                "there would mix two runs; resume it into another --output-dir."
+            )
+    if resume is not None:
+        return
+    if live and not overwrite:
+        raise GcfError(
+            f"Output folder {out_dir} holds another run; pass --overwrite to replace it, --resume to continue it, or another --output-dir."
+        )
+    if foreign and record is None and not live and not overwrite:
+        what = "a model" if "config.json" in foreign else "files"
+        raise GcfError(
+            f"Output folder {out_dir} holds {what} ({_shown(foreign)}) but no gcfamily run; pass --overwrite to write "
+            "the run beside them (it removes only what a run wrote, none of these), or another --output-dir."
         )
 
 
-def is_run_file(name: str) -> bool:
-    """What a gcfamily run writes (RUN_FILES, model-*.safetensors shards, .tmp-* leftovers): --overwrite replaces these."""
-    return (
-        name in RUN_FILES or (name.startswith("model-") and name.endswith(".safetensors")) or name.startswith(".tmp-")
-    )
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
-def set_aside(out_dir: Path) -> list[str]:
-    """--overwrite, before the checks: move what an earlier run (or a model) left in the folder into ASIDE; the names
-    moved. A rename in the same folder: nothing is copied or lost."""
+def claim(out_dir: Path, record: dict[str, Any] | None, keep: bool) -> dict[str, Any]:
+    """The record this start writes before anything else: the names the run owns now (`keep`: those it owned; after
+    check_contents, every gcfamily run name is free or owned) and, `keep`, its segments so far."""
+    owns = set(owned_names(out_dir, record)) if keep else set()
+    return {
+        "owns": sorted(owns | set(CLAIMS)),
+        "segments": list((record or {}).get("segments") or []) if keep else [],
+        "pending": (record or {}).get("pending") if keep else None,
+    }
+
+
+def write_record(out_dir: Path, record: dict[str, Any]) -> None:
+    write_atomic(out_dir / RECORD, json.dumps(record, indent=1), run_dir=out_dir)
+
+
+def set_aside(out_dir: Path, names: list[str] | None = None) -> list[str]:
+    """--overwrite, before the checks: move the entries the folder's run owns (`names`, by default owned_entries) and
+    its record into ASIDE; the names moved. A rename in the same folder: nothing is copied or lost."""
     aside = out_dir / ASIDE
-    names = [p.name for p in sorted(out_dir.iterdir()) if is_run_file(p.name)]
-    if names:
+    names = owned_entries(out_dir) if names is None else names
+    moved = names + ([RECORD] if (out_dir / RECORD).is_file() else [])
+    if moved:
         aside.mkdir()
-        for name in names:
+        for name in moved:
             os.replace(out_dir / name, aside / name)
     return names
 
@@ -242,12 +309,47 @@ def put_back(out_dir: Path) -> list[str]:
         _remove(out_dir / name)
         os.replace(aside / name, out_dir / name)
     aside.rmdir()
-    return names
+    return [n for n in names if n != RECORD]
 
 
 def drop_aside(out_dir: Path) -> None:
     """The start committed: the set-aside run goes for good."""
     shutil.rmtree(out_dir / ASIDE, ignore_errors=True)
+
+
+def supersede(out_dir: Path, record: dict[str, Any], step: int) -> None:
+    """A resume from `step` commits: the folder's checkpoints past it (an older branch) move to
+    checkpoints/replaced-at-step-{step}/, named in the record first so that finish_pending completes a killed move."""
+    root = out_dir / "checkpoints"
+    names = sorted(p.name for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) > step)
+    if not names:
+        return
+    dest, n = f"replaced-at-step-{step}", 1
+    while (root / dest).exists():
+        n += 1
+        dest = f"replaced-at-step-{step}-{n}"
+    record["pending"] = {"dest": dest, "names": names}
+    write_record(out_dir, record)
+    finish_pending(out_dir, record)
+    print(
+        f"note: the checkpoints of {out_dir} past step {step} ({_shown(names)}) belong to the branch this resume "
+        f"leaves; they are kept in {root / dest}.",
+        file=sys.stderr,
+    )
+
+
+def finish_pending(out_dir: Path, record: dict[str, Any]) -> None:
+    """Complete a move of superseded checkpoints that the record names (supersede; or a start killed during it)."""
+    pending = record.get("pending")
+    if not isinstance(pending, dict):
+        return
+    root = out_dir / "checkpoints"
+    (root / str(pending["dest"])).mkdir(parents=True, exist_ok=True)
+    for name in pending.get("names") or []:
+        if (root / name).exists():
+            os.replace(root / name, root / str(pending["dest"]) / name)
+    record["pending"] = None
+    write_record(out_dir, record)
 
 
 def size_of(path: Path) -> int:
@@ -260,7 +362,7 @@ def size_of(path: Path) -> int:
 
 def _paths(out_dir: Path) -> list[Path]:
     """The folder's entries, and everything inside those that a run writes (its checkpoints, logs, pools): a start
-    writes nowhere else, and a folder of the user's that --overwrite writes over is not walked."""
+    writes nowhere else, and a folder of the user's is not walked."""
     out = []
     for p in sorted(out_dir.iterdir()):
         out.append(p)
@@ -275,10 +377,10 @@ def snapshot(out_dir: Path) -> set[str]:
 
 
 def remove_new(out_dir: Path, before: set[str]) -> None:
-    """A failed start: remove every path it added (not in `before`), except ASIDE, which put_back empties."""
+    """A failed start: remove every path it added (not in `before`), except the lock and ASIDE, which put_back empties."""
     for p in _paths(out_dir):  # a folder before what is in it
         rel = p.relative_to(out_dir)
-        if rel.parts[0] in (ASIDE, LOCK) or str(rel) in before or not (p.exists() or p.is_symlink()):
+        if rel.parts[0].startswith((ASIDE, LOCK)) or str(rel) in before or not (p.exists() or p.is_symlink()):
             continue  # (a path inside a new folder went with it)
         _remove(p)
 
@@ -298,6 +400,12 @@ def check_writable(out_dir: Path, need_bytes: int, reclaim: int = 0) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WriteFailed(probe, e, run_dir=out_dir, what=f"into {out_dir}") from None
         raise GcfError(
             f"Output folder {out_dir} is not writable ({e.strerror or e}); choose another --output-dir or fix its permissions."
         ) from e
@@ -310,9 +418,14 @@ def check_writable(out_dir: Path, need_bytes: int, reclaim: int = 0) -> None:
 
 
 def clean_partial_checkpoints(out_dir: Path) -> None:
-    """Remove checkpoint folders that a killed or failed write left half-done (.tmp-step-*)."""
+    """Remove checkpoint folders that a killed or failed write left half-done (.tmp-step-*); a whole one it had swapped
+    out (.tmp-old-step-N-*) goes back to step-N when that is missing."""
     root = out_dir / "checkpoints"
     if root.is_dir():
+        for p in root.glob(".tmp-old-step-*"):  # a checkpoint swapped out for a rewrite of its step, killed midway
+            final = root / ("step-" + p.name.split("-")[3])
+            if (p / "COMPLETE").is_file() and not final.exists():
+                os.replace(p, final)
         for p in root.glob(".tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -329,7 +442,7 @@ def compare_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tu
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
 
 
-def settings_of(path: Path) -> Optional[dict[str, Any]]:
+def settings_of(path: Path) -> dict[str, Any] | None:
     """The settings checkpoint `path` was written under: its own run_config.json, or for a checkpoint written before
     checkpoints recorded them, the run_config.json of its run folder (path is RUN/checkpoints/step-N); None if neither."""
     places = [path / "run_config.json"]
@@ -339,7 +452,7 @@ def settings_of(path: Path) -> Optional[dict[str, Any]]:
         if f.is_file():
             try:
                 saved = json.loads(f.read_text())
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, RecursionError) as e:
                 raise GcfError(
                     f"{f} cannot be read ({e}); the settings of checkpoint {path} are unknown: restore the file, or "
                     "resume another checkpoint."
@@ -349,8 +462,8 @@ def settings_of(path: Path) -> Optional[dict[str, Any]]:
 
 
 def check_resume(
-    path: Path, saved: Optional[dict[str, Any]], now: dict[str, Any], allow: bool, step: Optional[int]
-) -> Optional[dict[str, Any]]:
+    path: Path, saved: dict[str, Any] | None, now: dict[str, Any], allow: bool, step: int | None
+) -> dict[str, Any] | None:
     """Refuse a resume of checkpoint `path` whose settings differ from `saved` (those it was written under), unless
     allowed; the change record when allowed. A checkpoint with no record of its settings cannot be compared: refused
     unless allowed, and then every setting is taken as given."""
@@ -383,17 +496,15 @@ def truncate_logs(out_dir: Path, step: int) -> None:
         if not path.is_file():
             continue
         keep = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
                 if int(json.loads(line).get("step", 0)) <= step:
-                    keep.append(line)
-            except (ValueError, AttributeError, TypeError):
-                continue  # a line cut by a kill mid-write
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, path)
+                    keep.append(line.decode())
+            except (ValueError, AttributeError, TypeError, RecursionError, OverflowError):
+                continue  # a line cut by a kill mid-write, or not a row gcfamily wrote
+        write_atomic(path, "".join(x + "\n" for x in keep), run_dir=out_dir)
 
 
-def say(note: Optional[str]) -> None:
+def say(note: str | None) -> None:
     if note:
         print(note, file=sys.stderr)
