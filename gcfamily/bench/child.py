@@ -165,8 +165,9 @@ def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
         if trainer.step != 0:
             return own()
         if trainer.is_main:
-            with (trainer.out_dir / "eval_details.jsonl").open("a") as f:
-                f.write(details + "\n")
+            from gcfamily.run.writes import append_lines
+
+            append_lines(trainer.out_dir / "eval_details.jsonl", [details], run_dir=trainer.out_dir)
         return dict(figures)
 
     trainer.evaluate = evaluate

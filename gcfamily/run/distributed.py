@@ -28,17 +28,19 @@ import contextlib
 import math
 import os
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gcfamily.run import checkpoint
-from gcfamily.core import precision
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
+from gcfamily.models import lora
+from gcfamily.run import checkpoint
+from gcfamily.run.writes import write_folder
 
 SUM_METRICS = (
     "loss",
@@ -77,11 +79,11 @@ class DistEnv:
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device) -> None:
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
         self.strategy = "ddp"
-        self.compute_dtype: Optional[torch.dtype] = None  # bfloat16 under FSDP2 mixed precision
+        self.compute_dtype: torch.dtype | None = None  # bfloat16 under FSDP2 mixed precision
         self._roots: dict[int, nn.Module] = {}  # id(plain causal LM) -> its FSDP2-sharded LogprobModel
 
     @classmethod
-    def from_env(cls, device: str = "auto", timeout_s: float = 600.0) -> Optional["DistEnv"]:
+    def from_env(cls, device: str = "auto", timeout_s: float = 600.0) -> DistEnv | None:
         """The process group torchrun describes in the environment, or None when WORLD_SIZE <= 1.
 
         A collective waits at most timeout_s for the other processes (dist_timeout), not torch's 30 minutes."""
@@ -309,7 +311,7 @@ class DistEnv:
         dist.all_reduce(out)
         return out.to(t.device)
 
-    def agree_stop(self, signal_name: Optional[str]) -> Optional[str]:
+    def agree_stop(self, signal_name: str | None) -> str | None:
         """A signal seen by any rank stops every rank at the same step (the checkpoint is collective)."""
         flag = torch.tensor([1.0 if signal_name else 0.0], device=self._comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -329,7 +331,7 @@ class DistEnv:
             out[k] = cache[id(v)]
         return out
 
-    def save_checkpoint(self, trainer: Any) -> Optional[Path]:
+    def save_checkpoint(self, trainer: Any) -> Path | None:
         """The single-process checkpoint format, written by rank 0 from gathered state, plus every rank's RNG."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -368,21 +370,37 @@ class DistEnv:
 
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-    def save_final(self, trainer: Any) -> None:
-        """Rank 0 writes save_pretrained of the full model and the tokenizer: loadable without torch.distributed.
+    def save_final(self, trainer: Any, write: Callable[[Path, dict[str, torch.Tensor] | None], None]) -> None:
+        """Rank 0 writes the final folder with `write(folder, weights)` (save_pretrained of the full model and the
+        tokenizer: loadable without torch.distributed), all of its files or none (writes.write_folder); `weights` are
+        gathered on every rank first (FSDP2), None for a LoRA model (DDP keeps a whole copy on every rank).
 
-        Under FSDP2 mixed precision that is the float32 master weights, as the config then says."""
-        weights = self.full_state_dict(trainer.unwrapped_policy())
+        Under FSDP2 mixed precision that is the float32 master weights, as the config then says. Rank 0's outcome reaches
+        every rank in place of a barrier, so a full disk there ends every rank in the same sentence and none waits."""
+        policy = trainer.unwrapped_policy()
+        weights = None if lora.is_peft(policy) else self.full_state_dict(policy)
+        failed: Exception | None = None
         if self.is_main:
-            precision.save_pretrained(trainer.unwrapped_policy(), trainer.out_dir, weights, trainer.cfg.save_dtype)
-            trainer.tokenizer.save_pretrained(trainer.out_dir)
-        dist.barrier()
+            try:
+                write_folder(
+                    trainer.out_dir,
+                    lambda folder: write(folder, weights),
+                    run_dir=trainer.out_dir,
+                    what=f"the final model to {trainer.out_dir}",
+                )
+            except Exception as e:  # noqa: BLE001 - said on every rank (so none hangs), then raised here
+                failed = e
+        said = self.broadcast(None if failed is None else str(failed))
+        if failed is not None:
+            raise failed
+        if said is not None:
+            raise GcfError(said)
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def local_state(state: dict[str, Any], env: Optional[DistEnv]) -> dict[str, Any]:
+def local_state(state: dict[str, Any], env: DistEnv | None) -> dict[str, Any]:
     """A loaded checkpoint's state for this process: its own RNG; a clear error on another process count."""
     rngs = state.get("rank_rng")
     n = len(rngs) if rngs is not None else 1

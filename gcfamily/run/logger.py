@@ -2,19 +2,27 @@
 
 metrics.jsonl and completions.jsonl are always written on rank 0; `report_to` only chooses the trackers
 that show the same numbers. wandb is imported only when asked for, so it stays an optional extra.
+
+Every write here is whole or not at all (gcfamily/run/writes.py): a row is appended in one write that a full disk
+undoes, so a log never ends in half a line, and the run ends in one sentence naming its last intact checkpoint.
+TensorBoard's events are written by `EventFile`, in this thread, one appended record per step: torch's
+SummaryWriter writes from a background thread, which a full disk kills with a traceback of its own.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from gcfamily.errors import GcfError
+from gcfamily.run.writes import append_bytes, append_lines
 
 TRACKERS = ("tensorboard", "wandb", "none")
 
@@ -83,6 +91,43 @@ def completions_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
     return fixed + extra, data
 
 
+class EventFile:
+    """A TensorBoard event file written synchronously: each event is one appended record, whole or, on a failed write,
+    not at all (WriteFailed, naming the run's last intact checkpoint). TensorBoard reads it as it reads SummaryWriter's."""
+
+    def __init__(self, folder: Path, run_dir: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        # the name SummaryWriter gives, made unique per writer (a resume in the same second gets its own file)
+        self.path = (
+            folder / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
+        )
+        self.run_dir = run_dir
+        self._event(file_version="brain.Event:2")
+
+    def scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """One event holding every scalar of the step (TensorBoard shows each under its tag)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        if scalars:
+            values = [v for k, x in scalars.items() for v in scalar(k, float(x)).value]
+            self._event(step=step, summary=Summary(value=values))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A markdown text under `tag` (shown in TensorBoard's text tab, as SummaryWriter.add_text does)."""
+        from torch.utils.tensorboard.summary import text as text_summary
+
+        self._event(step=step, summary=text_summary(tag, text))
+
+    def _event(self, **fields: Any) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        record = io.BytesIO()  # one record (length, CRCs, the event) framed as TensorBoard's writer frames it
+        RecordWriter(record).write(Event(wall_time=time.time(), **fields).SerializeToString())
+        append_bytes(self.path, record.getvalue(), run_dir=self.run_dir)
+
+
 class RunLogger:
     """Writes one JSON line per logged step and the same scalars to the chosen trackers; rank 0 only.
 
@@ -132,13 +177,12 @@ class RunLogger:
                 ) from e
             self._wandb_table = wandb.Table
         if enabled and "tensorboard" in trackers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            self.tb = EventFile(out_dir / "tensorboard", out_dir)
         self.t0 = time.time()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append a step's metrics; non-finite numbers are written as null in JSON and left out of trackers."""
+        """Append a step's metrics; non-finite numbers are written as null in JSON and left out of trackers. A failed
+        write (a full disk) leaves the files as they were and raises WriteFailed, naming the last intact checkpoint."""
         if not self.enabled:
             return
         row = {"step": step, "time": round(time.time() - self.t0, 3)}
@@ -147,12 +191,10 @@ class RunLogger:
                 row[k] = None
             else:
                 row[k] = v
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_lines(self.path, [json.dumps(row)], run_dir=self.path.parent)
         scalars = {k: v for k, v in metrics.items() if _is_scalar(v)}
         if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
+            self.tb.scalars(step, scalars)
         if self.wandb is not None and scalars:
             self.wandb.log(scalars, step=step)
 
@@ -165,24 +207,22 @@ class RunLogger:
         """
         if not self.enabled or not rows:
             return
-        with self.completions_path.open("a") as f:
-            for r in rows:
-                reward = r.get("reward")
-                if isinstance(reward, float) and not math.isfinite(reward):
-                    r = {**r, "reward": None}
-                f.write(json.dumps({"step": step, **r}) + "\n")
+        lines = []
+        for r in rows:
+            reward = r.get("reward")
+            if isinstance(reward, float) and not math.isfinite(reward):
+                r = {**r, "reward": None}
+            lines.append(json.dumps({"step": step, **r}))
+        append_lines(self.completions_path, lines, run_dir=self.completions_path.parent)  # the step's rows, all or none
         if self.tb is not None:
-            self.tb.add_text("completions", completions_markdown(rows), step)
+            self.tb.text("completions", completions_markdown(rows), step)
         if self.wandb is not None:
             columns, data = completions_table(rows)
             self.wandb.log({"completions": self._wandb_table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
-        """Flush TensorBoard and finish the W&B run; safe to call twice."""
-        if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
-            self.tb = None
+        """Finish the W&B run (TensorBoard's events are on disk as each is written); safe to call twice."""
+        self.tb = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

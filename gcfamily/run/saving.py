@@ -1,18 +1,24 @@
 """The run's saving: resumable checkpoints and their exact restore, the final model folder, its card and the console
 summary. An object the Trainer holds; a checkpoint is of the run it is given (`save_checkpoint(run)`), as the distributed
 save is (gcfamily/run/distributed.py).
+
+A full disk loses nothing saved: the final model's files are written into a temporary folder inside the run folder and
+moved into place once all are written (gcfamily/run/writes.py), a checkpoint's extras go into the checkpoint's own
+temporary folder (gcfamily/run/checkpoint.py), and a failure ends in one sentence naming the last intact checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
-from gcfamily.run import checkpoint, distributed
-from gcfamily.models import lora
-from gcfamily.core import precision
 from gcfamily.config import to_dict
+from gcfamily.core import precision
+from gcfamily.models import lora
+from gcfamily.run import checkpoint, distributed
+from gcfamily.run.writes import WriteFailed, os_error, write_folder
 
 
 class Saving:
@@ -25,7 +31,7 @@ class Saving:
         """The run's RunLogger, once it is open (completions go to it)."""
         self.final_saved = False
 
-    def save_checkpoint(self, run: Any) -> Optional[Path]:
+    def save_checkpoint(self, run: Any) -> Path | None:
         """A resumable checkpoint of `run` (the Trainer) in out_dir/checkpoints (rank 0 writes)."""
         if self.dist is not None:
             return self.dist.save_checkpoint(run)
@@ -43,24 +49,37 @@ class Saving:
 
     @staticmethod
     def checkpoint_extras(
-        model: Any, tokenizer: Any, weight_keys: Optional[set[str]], settings: Optional[dict[str, Any]] = None
-    ) -> Optional[Callable[[Path], None]]:
+        model: Any, tokenizer: Any, weight_keys: set[str] | None, settings: dict[str, Any] | None = None
+    ) -> Callable[[Path], None] | None:
         """The settings the checkpoint was written under (its run_config.json: a resume compares with them, wherever it
         continues), and what makes a full-weight checkpoint loadable by from_pretrained: config.json and the tokenizer
-        (LoRA ones hold only adapters)."""
-        if weight_keys is not None and settings is None:
+        (LoRA ones: the adapter as peft writes it and the tokenizer, which PeftModel.from_pretrained(base, folder)
+        loads)."""
+        if weight_keys is not None and settings is None and not lora.is_peft(model):
             return None
 
         def write(folder: Path) -> None:
-            if settings is not None:
-                (folder / checkpoint.SETTINGS).write_text(json.dumps(settings, indent=2))
-            if weight_keys is None:
-                model.config.save_pretrained(folder)
-                tokenizer.save_pretrained(folder)
+            # `folder` is the checkpoint's temporary folder, which checkpoint.save removes when a write raises OSError:
+            # the tokenizer's own error type (tokenizers raise a bare Exception for a full disk) is turned into one
+            try:
+                if settings is not None:
+                    (folder / checkpoint.SETTINGS).write_text(json.dumps(settings, indent=2))
+                if weight_keys is None:
+                    model.config.save_pretrained(folder)
+                    tokenizer.save_pretrained(folder)
+                elif lora.is_peft(model):
+                    lora.save_adapter(model, tokenizer, folder)
+            except OSError:
+                raise
+            except Exception as e:
+                cause = os_error(e)
+                if cause is None:
+                    raise
+                raise cause from e
 
         return write
 
-    def load_checkpoint(self, path: Path, policy: Any, weight_keys: Optional[set[str]], method: Any) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, policy: Any, weight_keys: set[str] | None, method: Any) -> dict[str, Any]:
         """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest of the
         state (optimizer, schedule, RNG, counters) is returned for the run to restore once its optimizer exists."""
         state = distributed.local_state(checkpoint.load(path, policy, weight_keys), self.dist)
@@ -68,20 +87,27 @@ class Saving:
         return state
 
     def save_final(self, policy: Any, tokenizer: Any, method: Any, run: Any) -> None:
-        """The final model and tokenizer with save_pretrained, loadable by transformers (`run` for the distributed save)."""
-        if method.save_final(self.out_dir):  # the run's product is the method's own model
+        """The final model and tokenizer with save_pretrained, loadable by transformers (`run` for the distributed save).
+
+        All of its files or none: they are written into a temporary folder in the run folder, then moved into place; a
+        full disk leaves the run folder as it was and raises WriteFailed, naming the last intact checkpoint."""
+        cfg = self.cfg
+
+        def write(folder: Path, weights: dict[str, Any] | None = None) -> None:
+            if method.save_final(folder):  # the run's product is the method's own model
+                return
+            if lora.is_peft(policy):  # DDP keeps a whole copy on every rank: rank 0 writes it
+                lora.save_final(policy, tokenizer, folder, cfg.merge_lora, cfg.save_dtype)
+                return
+            precision.save_pretrained(
+                policy, folder, policy.state_dict() if weights is None else weights, cfg.save_dtype
+            )
+            tokenizer.save_pretrained(folder)
+
+        if self.dist is not None:  # every rank gathers (FSDP2), rank 0 writes, every rank hears how it went
+            self.dist.save_final(run, write)
             return
-        if lora.is_peft(policy):  # DDP keeps a whole copy on every rank: rank 0 writes it
-            if self.is_main:
-                lora.save_final(policy, tokenizer, self.out_dir, self.cfg.merge_lora, self.cfg.save_dtype)
-            if self.dist is not None:
-                self.dist.barrier()
-            return
-        if self.dist is not None:
-            self.dist.save_final(run)
-            return
-        precision.save_pretrained(policy, self.out_dir, policy.state_dict(), self.cfg.save_dtype)
-        tokenizer.save_pretrained(self.out_dir)
+        write_folder(self.out_dir, write, run_dir=self.out_dir, what=f"the final model to {self.out_dir}")
 
     def write_card(self, method: Any, steps: int) -> None:
         """The final folder's README.md: method, base model, data, settings and final metrics (gcfamily/run/card.py);
@@ -98,7 +124,12 @@ class Saving:
             "on_policy": isinstance(m, OnPolicy),
         }
         rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
-        write_model_card(self.out_dir, to_dict(self.cfg), rows, self.cfg.model, info, steps=steps)
+        try:  # written to a temporary file and renamed (gcfamily/run/card.py): a failure leaves no part of a card
+            write_model_card(self.out_dir, to_dict(self.cfg), rows, self.cfg.model, info, steps=steps)
+        except (OSError, WriteFailed) as e:  # the sentence names what the run keeps, not only the file
+            path = self.out_dir / "README.md"
+            cause = e.cause if isinstance(e, WriteFailed) else e
+            raise WriteFailed(path, cause, run_dir=self.out_dir, what=f"the model card {path}") from None
 
     def summary(self, step: int, seconds: float) -> str:
         """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""
