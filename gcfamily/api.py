@@ -43,6 +43,23 @@ def default_output_dir(cfg: Any, resume: Optional[str] = None) -> Any:
     return cfg.replace(output_dir=f"runs/{method_label(cfg.method)}-{model}-{stamp}")
 
 
+def _what(value: Any) -> str:
+    """A wrong argument named by its type and a short repr."""
+    text = repr(value) if isinstance(value, (bool, int, float)) else ""
+    return f"the {type(value).__name__} {text}".rstrip() if text else f"a {type(value).__name__}"
+
+
+def _is_data(obj: Any) -> bool:
+    """Whether obj is one of the data sources train() takes (None: the task's)."""
+    if obj is None or isinstance(obj, (str, Path)):
+        return True
+    if isinstance(obj, list):
+        return all(isinstance(r, dict) for r in obj)
+    return hasattr(obj, "column_names") or (
+        hasattr(obj, "keys") and all(hasattr(v, "column_names") for v in obj.values())
+    )
+
+
 def _reward_label(r: Any) -> str:
     return r if isinstance(r, str) else getattr(r, "__name__", None) or type(r).__name__
 
@@ -65,6 +82,22 @@ def train(
     from gcfamily.methods.base import Method
     from gcfamily.run.trainer import Trainer
 
+    for key, given in (("resume", resume), ("output_dir", output_dir)):
+        if given is not None and not isinstance(given, (str, Path)):
+            raise GcfError(f"{key} must be a path (a str or pathlib.Path) or None; got {_what(given)}.")
+    for key, obj in (("dataset", dataset), ("eval_dataset", eval_dataset)):
+        if not _is_data(obj):
+            raise GcfError(
+                f"{key} must be a path or hub id, a datasets.Dataset or DatasetDict, or a list of dicts; got {_what(obj)}."
+            )
+    pair = isinstance(model, tuple) and len(model) == 2
+    if not (isinstance(model, (str, Path)) or pair or hasattr(model, "config")):
+        raise GcfError(
+            f"model must be a name, a folder, a transformers causal LM or a (model, tokenizer) pair; got {_what(model)}."
+        )
+    rewards_given = list(reward) if isinstance(reward, (list, tuple)) else [] if reward is None else [reward]
+    if reward is not None and (not rewards_given or not all(isinstance(r, str) or callable(r) for r in rewards_given)):
+        raise GcfError(f"reward must be a name or spec, a function, or a non-empty list of them; got {_what(reward)}.")
     values: dict[str, Any] = dict(settings)
     method_cls = None
     if isinstance(method, type):

@@ -15,13 +15,14 @@ from gcfamily.errors import GcfError
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer of --model, without loading its weights."""
-    from gcfamily.models import resolve_source, tiny_tokenizer
+    from gcfamily.models import refuse_remote_code, resolve_source, tiny_tokenizer
 
     if name == "tiny":
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     source = resolve_source(name)
+    refuse_remote_code(source, trust_remote_code)  # transformers would otherwise prompt on stdin
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as e:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import reprlib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +16,97 @@ import yaml
 
 from gcfamily.config.shared import FIELD_NAMES, FIELDS, INTERNAL, Config, MethodSettings
 from gcfamily.errors import GcfError
+
+MAX_YAML_CHARS = 1_000_000
+"""A recipe or `--set` value longer than this is not a recipe (the largest shipped one is a few hundred characters)."""
+MAX_YAML_DEPTH = 64
+"""Nesting a recipe or `--set` value may have: settings nest two or three levels; 5000 would overflow the parser."""
+MAX_YAML_ITEMS = 100_000
+"""Values a recipe or `--set` value may hold once its aliases are expanded (as saving the settings expands them)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses, before anything is built, nesting past MAX_YAML_DEPTH (PyYAML composes recursively:
+    a 5000-deep list overflows Python's stack) and a document whose aliases expand past MAX_YAML_ITEMS values or refer
+    to themselves: nested anchors ("billion laughs") load as shared objects, then expand 10**9-fold once saved."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _TooBig(f"nests deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _TooBig(Exception):
+    """A YAML document past a bound; `parse_yaml` turns it into the caller's sentence."""
+
+
+def _node_children(node: Any) -> list[Any]:
+    """A YAML node's children (a sequence's items, a mapping's keys and values), or a Python container's."""
+    if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+        node = node.value
+    if isinstance(node, dict):
+        return [n for pair in node.items() for n in pair]
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return [n for item in node for n in (item if isinstance(item, tuple) and len(item) == 2 else (item,))]
+    return []
+
+
+def _check_expansion(root: Any) -> None:
+    """Refuse a YAML node graph or Python value that refers to itself, nests past MAX_YAML_DEPTH or expands past
+    MAX_YAML_ITEMS values (iterative: no recursion to overflow; each shared part is counted once per use)."""
+    size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool, int]] = [(root, False, 1)]
+    while stack:
+        node, leaving, depth = stack.pop()
+        key = id(node)
+        if leaving:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in _node_children(node))
+            if size[key] > MAX_YAML_ITEMS:
+                raise _TooBig(f"expands to more than {MAX_YAML_ITEMS} values (aliases of anchors nested in each other)")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise _TooBig("refers to itself (an alias inside its own anchor, or a list that holds itself)")
+        if depth > MAX_YAML_DEPTH:
+            raise _TooBig(f"nests deeper than {MAX_YAML_DEPTH} levels")
+        on_path.add(key)
+        stack.append((node, True, depth))
+        stack.extend((c, False, depth + 1) for c in _node_children(node))
+
+
+def check_bounds(value: Any) -> None:
+    """Raise ValueError (saying which bound) for a value that refers to itself, nests or expands past the YAML bounds:
+    the same bounds for a value from Python (train()'s keywords) as for one read from YAML."""
+    try:
+        _check_expansion(value)
+    except _TooBig as e:
+        raise ValueError(str(e)) from None
+
+
+def parse_yaml(text: str) -> Any:
+    """yaml.safe_load within bounds (size, nesting, aliases expanded); a document past one raises ValueError saying which."""
+    if len(text) > MAX_YAML_CHARS:
+        raise ValueError(f"is longer than {MAX_YAML_CHARS} characters")
+    loader = _BoundedLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_expansion(root)
+        return loader.construct_document(root)
+    except _TooBig as e:
+        raise ValueError(str(e)) from None
+    finally:
+        loader.dispose()
 
 
 def field_docs(cls: type = Config) -> dict[str, str]:
@@ -55,11 +147,17 @@ def _coerce(f: dataclasses.Field, value: Any, owner: str = "Setting") -> Any:
         if value.lower() in ("none", "null") and optional:
             return None
         try:
-            value = yaml.safe_load(value)  # numbers, booleans, lists, dicts; never code
+            value = parse_yaml(value)  # numbers, booleans, lists, dicts; never code
         except yaml.YAMLError as e:
-            raise GcfError(f"{owner} {name}={value!r} is not a valid value.") from e
+            raise GcfError(f"{owner} {name}={_short(value)} is not a valid value.") from e
+        except ValueError as e:  # past a bound: a 10**9-item expansion, 5000 levels deep, an alias of itself
+            raise GcfError(f"{owner} {name}={_short(value)} {e}; give a plain value.") from None
     if value is None and optional:
         return None
+    try:
+        check_bounds(value)
+    except ValueError as e:  # from Python: a list holding itself, 5000 levels deep, 10**9 items through shared parts
+        raise GcfError(f"{owner} {name}={_short(value)} {e}; give a plain value.") from None
     try:
         if base == "bool":
             if isinstance(value, bool):
@@ -73,7 +171,12 @@ def _coerce(f: dataclasses.Field, value: Any, owner: str = "Setting") -> Any:
             if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
                 value = float(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
+                try:
+                    return float(value)
+                except OverflowError:  # an int of 400 digits
+                    raise GcfError(
+                        f"{owner} {name}={_short(value)} is too large for a number of its kind; give a finite number."
+                    ) from None
         elif base == "tuple":
             if isinstance(value, (list, tuple)):
                 return tuple(value)
@@ -87,7 +190,21 @@ def _coerce(f: dataclasses.Field, value: Any, owner: str = "Setting") -> Any:
             return value
     except (TypeError, ValueError):
         pass
-    raise GcfError(f"{owner} {name}={value!r} has the wrong type; expected {base}{' or none' if optional else ''}.")
+    raise GcfError(
+        f"{owner} {name}={_short(value)} has the wrong type; expected {base}{' or none' if optional else ''}."
+    )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value's repr for a message, cut short (a --set value may be a megabyte); never the repr of a cyclic or huge
+    object in full."""
+    try:
+        short = reprlib.Repr()  # keyword arguments only from Python 3.12
+        short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = limit, limit, 6, 6, 3
+        text = short.repr(value)
+    except Exception:  # noqa: BLE001 (an object whose repr raises: its type is enough)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def settings_for(method_cls: Any, cfg: Config) -> Any:
@@ -144,7 +261,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise GcfError(f"Config file {path} does not exist; pass a YAML recipe such as configs/sft-arithmetic.yaml.")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = parse_yaml(p.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         raise GcfError(
             f"Config file {path} is not text (byte {e.start} is not UTF-8); pass a YAML recipe such as configs/sft-arithmetic.yaml."
@@ -155,6 +272,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise GcfError(
             f"Config file {path} is not valid YAML ({(str(e).splitlines() or [type(e).__name__])[0]})."
         ) from e
+    except ValueError as e:  # past a bound: a 10**9-item expansion, 5000 levels deep, an alias of itself
+        raise GcfError(f"Config file {path} {e}; a recipe is a flat mapping of setting: value.") from None
     if not isinstance(data, dict):
         raise GcfError(f"Config file {path} must be a mapping of setting: value.")
     bad = [k for k in data if not isinstance(k, str)]

@@ -36,6 +36,22 @@ def real(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool =
     return ok
 
 
+def holds_non_finite(value: Any, limit: int = 100_000) -> bool:
+    """Whether a list, tuple, set or dict holds a NaN or infinite float anywhere (looking at most at `limit` values; the
+    YAML bounds in config/io.py keep a setting far smaller)."""
+    stack, seen = [value], 0
+    while stack and seen < limit:
+        item, seen = stack.pop(), seen + 1
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return False
+
+
 def setting(default: Any, test: Callable[[Any], bool], rule: str, label: Optional[str] = None) -> Any:
     """A numeric field's default with its range: `test(value)` must hold (or the value be None where the default is), else
     the run is refused with "NAME must be RULE (got VALUE)". A float rule says "finite": NaN and inf are refused."""

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from gcfamily.config.data import DataSettings
 from gcfamily.config.rules import (
+    holds_non_finite,
     require,
     MAX_GROUP,
     MAX_ROWS,
@@ -354,4 +355,11 @@ def validate(cfg: Config) -> None:
             "report_to must be tensorboard, wandb, none or a list of them",
         ),
     ]
+    # last, after each setting's own check: a NaN inside a list or dict (task_options, lora_target_modules) means
+    # nothing, and run_config.json could hold it only as non-standard JSON
+    containers = [f.name for f in fields(Config) if isinstance(getattr(cfg, f.name), (list, tuple, dict, set))]
+    bad = next((k for k in containers if holds_non_finite(getattr(cfg, k))), None)
+    checks.append(
+        (bad is None, f"{bad} must hold finite numbers, not NaN or infinity (got {getattr(cfg, bad or 'seed')!r:.80})")
+    )
     require(checks)

@@ -46,7 +46,7 @@ def epoch_indices(n: int, seed: int, step: int, batch_size: int) -> list[int]:
     start = step * batch_size
     while len(out) < batch_size:
         epoch, offset = divmod(start + len(out), n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed((seed * 100_003 + epoch) % 2**64)).tolist()
         out.extend(perm[offset : offset + batch_size - len(out)])
     return out
 

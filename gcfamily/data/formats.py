@@ -36,6 +36,7 @@ assistant turn (`assistant_only_loss`, default) or every token.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,6 +398,7 @@ def encode(
     out = Encoded(
         kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv)
     )  # text rows are tokenised as written
+    same = 0  # pairs whose chosen and rejected are the same tokens (within max_length): no gradient from them
     for i, row in enumerate(checked):
         if kind == "demonstrations":
             ids, mask = fmt.demonstration(row, i)
@@ -416,19 +418,27 @@ def encode(
             if kind == "prompts":
                 out.examples.append(p)
             elif kind == "pairs":
-                out.examples.append(
-                    (
-                        p,
-                        fmt.completion_ids(row["prompt"], row["chosen"], i)[:room],
-                        fmt.completion_ids(row["prompt"], row["rejected"], i)[:room],
-                    )
-                )
+                chosen = fmt.completion_ids(row["prompt"], row["chosen"], i)[:room]
+                rejected = fmt.completion_ids(row["prompt"], row["rejected"], i)[:room]
+                same += chosen == rejected
+                out.examples.append((p, chosen, rejected))
             else:
                 out.examples.append((p, fmt.completion_ids(row["prompt"], row["completion"], i)[:room]))
         out.rows.append(row)
     if not out.examples:
         raise GcfError(
             f"No row of the data is usable for {method} ({'; '.join(f'{n} {why}' for why, n in out.skipped.items())}); raise max_length."
+        )
+    if same and same == len(out.examples):
+        raise GcfError(
+            f"Every one of the {same} preference pairs has chosen equal to rejected (within max_length={max_length} "
+            f"tokens), so {method} has nothing to learn from them; check the chosen and rejected columns."
+        )
+    if same:  # each such pair scores log 2 and contributes no gradient: most likely a data bug, so say so once
+        print(
+            f"warning: {same} of {len(out.examples)} preference pairs have chosen equal to rejected (within "
+            f"max_length={max_length} tokens); they add no gradient.",
+            file=sys.stderr,
         )
     return out
 

@@ -25,6 +25,12 @@ from typing import Any, Optional
 from gcfamily.errors import GcfError
 
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_SPLITS = ("train", "test")
+"""The split names a single local file answers to (all its rows): train, which the datasets library names a file's
+rows, and test, eval_split's default, so that eval_dataset may be a file; and a slice of train (train[:90%]) of a
+JSON or parquet file, which the datasets library takes. Any other name is refused."""
+# trust_remote_code=False is passed to every load_dataset: datasets 4 and later run no loading script, and saying so
+# explicitly keeps any version from running (or asking on stdin to run) a dataset's own code.
 
 
 def _datasets() -> Any:
@@ -81,6 +87,10 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
     """The Dataset (not yet rows) a source names."""
     if isinstance(source, list):
         return source
+    if not isinstance(source, (str, Path)) and not hasattr(source, "column_names") and not hasattr(source, "keys"):
+        raise GcfError(
+            f"A dataset must be a path or hub id, a datasets.Dataset or DatasetDict, or a list of dicts; got a {type(source).__name__}."
+        )
     if not isinstance(source, (str, Path)):  # a Dataset or DatasetDict from Python
         return _pick_split(source, split, describe(source))
     ds_lib = _datasets()
@@ -92,6 +102,14 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
             raise GcfError(
                 f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder."
             )
+        sliced = split.startswith("train[") and kind != "csv"  # train[:90%]: datasets' slice of the file's rows
+        if (
+            split not in FILE_SPLITS and not sliced
+        ):  # a split the file cannot have was a typo, or meant for a hub dataset
+            raise GcfError(
+                f"Dataset file {text} is a single split, so split '{split}' is not in it; leave dataset_split (or "
+                f"eval_split) at train, or pass a folder or hub dataset that has a split '{split}'."
+            )
         try:
             if kind == "csv":  # cells are text as written ("007", "1.50"), never numbers guessed from them
                 import csv
@@ -100,14 +118,16 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
                     return [
                         {k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)
                     ]  # cells past the header dropped
-            return ds_lib.load_dataset(kind, data_files=str(path), split="train")
+            return ds_lib.load_dataset(
+                kind, data_files=str(path), split=split if sliced else "train", trust_remote_code=False
+            )
         except Exception as e:  # datasets raises many types for malformed files
             raise GcfError(f"Dataset file {text} could not be read ({_first_line(e)}).") from e
     if path.is_dir():
         try:
             if _from_disk_folder(path):
                 return _pick_split(ds_lib.load_from_disk(str(path)), split, text)
-            return ds_lib.load_dataset(str(path), config, split=split)
+            return ds_lib.load_dataset(str(path), config, split=split, trust_remote_code=False)
         except GcfError:
             raise
         except Exception as e:
@@ -118,7 +138,7 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
             f"Dataset file {text} does not exist; pass an existing JSONL/JSON/parquet/CSV file, a save_to_disk folder or a hub id like org/name."
         )
     try:
-        return ds_lib.load_dataset(text, config, split=split)
+        return ds_lib.load_dataset(text, config, split=split, trust_remote_code=False)
     except Exception as e:  # unreachable hub, unknown config or split, gated dataset
         raise GcfError(
             f"Dataset {text}{f' (config {config})' if config else ''} could not be loaded from the hub or its cache ({_first_line(e)[:160]}); "

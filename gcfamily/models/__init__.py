@@ -14,6 +14,7 @@ import copy
 import functools
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -134,8 +135,10 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_gguf():
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        src = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, trust_remote_code=False)
+        src = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
+        )
     # a model loaded from GGUF may refuse save_pretrained: build a plain one and copy the weights in
     config = copy.deepcopy(src.config)
     if hasattr(config, "quantization_config"):  # the weights are dequantized: save a plain float checkpoint
@@ -195,6 +198,7 @@ def check_source(name: str) -> None:
         raise GcfError(
             f"Model folder {name} has a config.json holding a JSON {type(parsed).__name__}, not an object of settings; restore it from the model's source."
         )
+    check_config(parsed, f"Model folder {name} has a config.json whose", "restore it from the model's source")
     weights = sorted(f for f in p.iterdir() if f.suffix == ".safetensors" and not f.name.startswith("adapter_"))
     pickles = sorted(
         f.name
@@ -220,6 +224,91 @@ def check_source(name: str) -> None:
             raise GcfError(
                 f"Model weights {f} are damaged or not safetensors ({str(e).splitlines()[0][:120]}); copy the file again from its source."
             ) from e
+
+
+CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+"""The files whose `auto_map` makes transformers import a folder's own Python code."""
+
+
+def refuse_remote_code(source: str, trust_remote_code: bool, what: str = "Model folder") -> None:
+    """Refuse, in one sentence, a local folder that ships its own code (`auto_map`) unless --trust-remote-code was given.
+
+    Checked before any load, so that transformers never reaches its interactive "run the custom code? [y/N]" prompt
+    (which reads stdin, where a `y` would run the folder's Python file); every load passes the flag explicitly too.
+    """
+    if trust_remote_code:
+        return
+    p = Path(source).expanduser()
+    if not p.is_dir():
+        return
+    for name in CODE_FILES:
+        f = p / name
+        try:
+            parsed = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue  # check_source (or the loader, in one sentence) says what is wrong with it
+        if isinstance(parsed, dict) and parsed.get("auto_map"):
+            raise GcfError(
+                f"{what} {source} ships its own Python code (auto_map in {name}), which gcfamily runs only with "
+                f"--trust-remote-code; pass it if you trust that code, or use a folder without auto_map."
+            )
+
+
+def _non_finite(config: Any, path: str = "") -> str | None:
+    """The dotted name of the first NaN or infinite number in a parsed config (json reads NaN and Infinity), or None."""
+    stack: list[tuple[Any, str, int]] = [(config, path, 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "value"
+        if depth < 32 and isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items())
+        elif depth < 32 and isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+    return None
+
+
+def parameter_estimate(config: dict) -> int:
+    """A lower bound on a decoder's parameter count from its config alone (0 when the sizes are not plain ints):
+    embeddings plus per layer at least two H x H attention projections and two H x I MLP projections."""
+    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+
+    def size(*keys: str) -> int:
+        v = next((config[k] for k in keys if k in config), 0)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    H = size("hidden_size", "n_embd", "d_model")
+    I = size("intermediate_size", "n_inner", "ffn_dim") or 4 * H
+    L = size("num_hidden_layers", "n_layer", "num_layers")
+    V = size("vocab_size")
+    return V * H + L * (2 * H * H + 2 * H * I)
+
+
+def machine_memory() -> int:
+    """Bytes this machine can hold a model in: its RAM plus every GPU's memory (a generous ceiling)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no ceiling known
+        return 2**62
+    if torch.cuda.is_available():
+        total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return total
+
+
+def check_config(config: dict, prefix: str, fix: str) -> None:
+    """Refuse a model config holding NaN or infinity (a NaN norm epsilon makes every step non-finite) or describing a
+    model whose weights alone, at 2 bytes each, would not fit this machine's memory (10**7 layers); before any build.
+
+    `prefix` starts the sentence ("Model folder X has a config.json whose"), `fix` ends it."""
+    bad = _non_finite(config)
+    if bad is not None:
+        raise GcfError(f"{prefix} {bad} is not a finite number; every model setting must be one: {fix}.")
+    n, memory = parameter_estimate(config), machine_memory()
+    if 2 * n > memory:
+        raise GcfError(
+            f"{prefix} sizes describe a model of at least {n:.3g} parameters ({2 * n / 2**30:,.0f} GiB at 2 bytes each), "
+            f"more than this machine's {memory / 2**30:,.0f} GiB of memory can hold: {fix}."
+        )
 
 
 def context_of(name: str) -> int | None:
@@ -286,6 +375,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(source).exists()
+    refuse_remote_code(source, trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         # use_safetensors: never fall back to unpickling a .bin (from a folder or the hub)
@@ -311,7 +401,9 @@ def load_model(
     return model.to(device), tok
 
 
-def adopt_model(model: Any, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
+def adopt_model(
+    model: Any, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
     """A (model, tokenizer) pair passed from Python, or a model whose tokenizer loads from its name_or_path.
 
     The model is trained in place, its parameters cast to the run's master dtype (float32 by default).
@@ -326,13 +418,19 @@ def adopt_model(model: Any, dtype: torch.dtype, device: str | torch.device) -> t
 
         source = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
         try:
-            tok = AutoTokenizer.from_pretrained(source)
+            refuse_remote_code(source, trust_remote_code, "Tokenizer folder")
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError) as e:
             raise GcfError(
                 f"The tokenizer of the model passed in could not be loaded from {source!r}; pass model=(model, tokenizer)."
             ) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    bad = _non_finite(model.config.to_dict())
+    if bad is not None:  # a NaN norm epsilon: every step would be skipped as non-finite
+        raise GcfError(
+            f"The model passed in has {bad}={getattr(model.config, bad, 'nan')} in its config; set it to a finite number."
+        )
     from gcfamily.core.families import prepare
 
     prepare(model)

@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import numbers
 import os
 import signal
@@ -155,8 +156,28 @@ def call_reward(
     return fn(**(given if var_kw else {k: v for k, v in given.items() if k in names}))
 
 
+def _no_overflow(value: Any) -> Any:
+    """A number too large for a float (an int of 10**400, a Fraction) as +-inf, which fails its sample as any non-finite
+    reward does; in a step list [(end, score), ...], each number. Anything else is returned as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, float)):
+        try:
+            float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+        return value
+    if (
+        isinstance(value, (list, tuple))
+        and 0 < len(value) <= MAX_STEPS
+        and all(isinstance(v, (list, tuple)) for v in value)
+    ):
+        return [tuple(_no_overflow(x) for x in item) for item in value]  # a step list
+    return value
+
+
 def as_values(out: Any, n: int, name: str) -> list[Any]:
-    """The function's output as a list of n raw values; a wrong shape is the user's bug, so GcfError."""
+    """The function's output as a list of n raw values; a wrong shape is the user's bug, so GcfError.
+
+    A number too large for a float (10**400) becomes +-inf, an invalid reward that fails its sample (reward/failed)."""
     if hasattr(out, "tolist"):  # torch tensors and numpy arrays
         out = out.tolist()
     if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence):
@@ -169,7 +190,7 @@ def as_values(out: Any, n: int, name: str) -> list[Any]:
             f"reward function '{name}' returned {len(out)} values for {n} completions; "
             "it must return one per completion."
         )
-    return list(out)
+    return [_no_overflow(v) for v in out]
 
 
 def call_values(

@@ -17,7 +17,13 @@ What a user reward can no longer do to the run:
 - hold the run while it is asked to stop: the wait polls `should_stop` (the trainer's SIGTERM /
   Ctrl-C flag) every POLL_S; a call that has not answered by then is abandoned (its samples fail,
   counted) and the step ends at the trainer's checkpoint. A reward quicker than POLL_S still scores
-  the last step; a slower one does not, so that a stop never waits on a reward.
+  the last step; a slower one does not, so that a stop never waits on a reward;
+- hang while importing: the import runs under the same reward_timeout, and one that does not finish
+  ends the run in one sentence (before any step, so the run folder is left as it was);
+- block on a pipe it inherited: the worker inherits no descriptor but its own pipe to the trainer
+  (close_fds); stdin is /dev/null and stdout and stderr go to an unnamed temporary file, which a write
+  never fills, so a reward that prints a lot neither blocks nor holds the trainer's own streams open
+  (its prints do not reach the terminal; the last line is quoted when the worker ends while importing).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,7 +56,7 @@ _BOOT = (
 )
 
 
-def _shutdown(proc: subprocess.Popen, conn: Connection) -> None:
+def _shutdown(proc: subprocess.Popen, conn: Connection, output: Any) -> None:
     """Close the pipe (an idle worker then exits by itself) and make sure the process is gone."""
     conn.close()
     try:
@@ -57,6 +64,17 @@ def _shutdown(proc: subprocess.Popen, conn: Connection) -> None:
     except subprocess.TimeoutExpired:  # busy in a reward: it gets no say
         proc.kill()
         proc.wait()
+    output.close()
+
+
+def _last_line(output: Any) -> str:
+    """The last line the worker printed (its stdout and stderr file), cut short; '' when it printed nothing."""
+    try:
+        output.seek(max(0, output.seek(0, os.SEEK_END) - 400))
+        lines = output.read().decode("utf-8", "replace").strip().splitlines()
+    except (OSError, ValueError):
+        return ""
+    return calling.shorten(lines[-1].strip()) if lines else ""
 
 
 class RewardWorker:
@@ -67,37 +85,62 @@ class RewardWorker:
         self.timeout = timeout
         self.proc: Optional[subprocess.Popen] = None
         self.conn: Optional[Connection] = None
+        self.output: Any = None  # the unnamed file the process's stdout and stderr go to
         self._finalizer: Any = None
         self.starts = 0  # how many processes this worker has run (1 + restarts after a crash or timeout)
         self.start()
 
     # -- the process -----------------------------------------------------------------
-    def start(self) -> None:
-        """Start the process and load the rewards; a reward that fails to load is the user's one-sentence error."""
+    def start(self, should_stop: Optional[Callable[[], bool]] = None) -> bool:
+        """Start the process and load the rewards, within reward_timeout; a reward that fails to load, or whose import does
+        not finish in time, is the user's one-sentence error. False when a stop was asked for first (nothing loaded)."""
         mine, theirs = Pipe()
         fd = theirs.fileno()
         args = [sys.executable, "-c", _BOOT, str(fd), str(os.getpid()), json.dumps(sys.path), calling.__file__]
-        self.proc = subprocess.Popen(args, pass_fds=(fd,), stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        self.output = tempfile.TemporaryFile(prefix="gcf-reward-")  # noqa: SIM115 (closed by _shutdown, with the process)
+        self.proc = subprocess.Popen(
+            args,
+            pass_fds=(fd,),
+            close_fds=True,  # no descriptor of the trainer's but the pipe: a reward cannot fill or hold one open
+            stdin=subprocess.DEVNULL,
+            stdout=self.output,
+            stderr=self.output,
+            cwd=os.getcwd(),
+        )
         theirs.close()
         self.conn = mine
         self.starts += 1
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn)
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.output)
         mine.send(("load", self.specs))
-        reply = self._receive(deadline=None, should_stop=None)
-        if reply[0] == "gcf_error":
-            self.close()
-            raise GcfError(reply[1])
-        if reply[0] != "ready":  # the process ended while importing the rewards
-            self.close()
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
+        reply = self._receive(deadline, should_stop)
+        names = ", ".join(self.specs)
+        if reply[0] == "ready":
+            return True
+        if reply[0] == "stopping":
+            self._kill()
+            return False
+        if reply[0] == "timeout":
+            self._kill()
             raise GcfError(
-                f"the reward worker process ended while importing {', '.join(self.specs)} ({reply[1]}); fix the reward module."
+                f"importing the reward {names} did not finish within reward_timeout={self.timeout:g} s; "
+                "fix what its module does at import (or raise reward_timeout)."
             )
+        printed = _last_line(self.output) if reply[0] != "gcf_error" else ""
+        self.close()
+        if reply[0] == "gcf_error":
+            raise GcfError(reply[1])
+        # the process ended while importing the rewards
+        said = f"; its last output: {printed}" if printed else ""
+        raise GcfError(
+            f"the reward worker process ended while importing {names} ({reply[1]}{said}); fix the reward module."
+        )
 
     def close(self) -> None:
         """End the process (killed if a reward is still running)."""
         if self._finalizer is not None:
             self._finalizer()
-        self.proc = self.conn = self._finalizer = None
+        self.proc = self.conn = self.output = self._finalizer = None
 
     def _kill(self) -> None:
         if self.proc is not None:
@@ -106,7 +149,8 @@ class RewardWorker:
 
     # -- calls -----------------------------------------------------------------------
     def _receive(self, deadline: Optional[float], should_stop: Optional[Callable[[], bool]]) -> tuple:
-        """The next reply, or ("lost", why) when the process ended, the deadline passed or a stop was asked for."""
+        """The next reply, or (kind, why) with kind "lost" when the process ended, "timeout" when the deadline passed
+        and "stopping" when a stop was asked for."""
         assert self.conn is not None and self.proc is not None
         while True:
             if self.conn.poll(POLL_S):
@@ -119,9 +163,9 @@ class RewardWorker:
                         f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)",
                     )
             if deadline is not None and time.monotonic() > deadline:
-                return ("lost", f"did not return within reward_timeout={self.timeout:g} s")
+                return ("timeout", f"did not return within reward_timeout={self.timeout:g} s")
             if should_stop is not None and should_stop():
-                return ("lost", "was abandoned because the run is stopping")
+                return ("stopping", "was abandoned because the run is stopping")
 
     def call(
         self,
@@ -134,8 +178,9 @@ class RewardWorker:
         should_stop: Optional[Callable[[], bool]] = None,
     ) -> calling.Values:
         """calling.call_values in the worker: raw values and per-sample errors. A call that is lost fails all its samples."""
-        if self.proc is None:  # the last call killed or lost it
-            self.start()
+        n = len(completions)
+        if self.proc is None and not self.start(should_stop):  # the last call killed or lost it; a stop came first
+            return [None] * n, {i: "was abandoned because the run is stopping" for i in range(n)}
         assert self.conn is not None
         self.conn.send(("call", spec, name, prompts, completions, completion_ids, columns))
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
@@ -145,5 +190,4 @@ class RewardWorker:
         if reply[0] == "gcf_error":
             raise GcfError(reply[1])
         self._kill()  # hung, stopping or already dead: the next call gets a fresh process
-        n = len(completions)
         return [None] * n, {i: reply[1] for i in range(n)}

@@ -85,9 +85,14 @@ class RewardModel(nn.Module):
 
     @classmethod
     def load(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: Optional[torch.dtype] = None,
+        trust_remote_code: bool = False,
     ) -> "RewardModel":
-        """A saved reward model, frozen, in eval mode; a folder that is not one is a clear error."""
+        """A saved reward model, frozen, in eval mode; a folder that is not one is a clear error. A folder that ships its
+        own code (auto_map) is refused unless trust_remote_code (every load passes the flag: transformers never prompts)."""
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         p = Path(path)
@@ -95,11 +100,12 @@ class RewardModel(nn.Module):
             raise GcfError(
                 f"Reward model folder {path} has no config.json; pass the output folder of `gcf run --method reward-model`."
             )
-        from gcfamily.models import check_source
+        from gcfamily.models import check_source, refuse_remote_code
 
         check_source(str(p))  # a damaged config or weights, or pickle weights (never unpickled): one sentence
+        refuse_remote_code(str(p), trust_remote_code, "Reward model folder")
         try:
-            config = AutoConfig.from_pretrained(p)
+            config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise GcfError(
                 f"Reward model folder {path} has an unreadable config.json ({str(e).splitlines()[0][:160]})."
@@ -110,9 +116,12 @@ class RewardModel(nn.Module):
                 f"{path} is not a reward model (architectures {archs}, num_labels {config.num_labels}); train one with `gcf run --method reward-model`."
             )
         try:
-            tok = AutoTokenizer.from_pretrained(p)
+            tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
             model = AutoModelForSequenceClassification.from_pretrained(
-                p, use_safetensors=True, **({"dtype": dtype} if dtype is not None else {})
+                p,
+                use_safetensors=True,
+                trust_remote_code=trust_remote_code,
+                **({"dtype": dtype} if dtype is not None else {}),
             )
         except (OSError, ValueError, RuntimeError) as e:
             raise GcfError(f"Reward model folder {path} could not be loaded ({str(e).splitlines()[0][:200]}).") from e
@@ -191,7 +200,11 @@ class RewardModel(nn.Module):
 
 
 def load_reward_model(
-    path: str, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None, batch_size: int = 16
+    path: str,
+    device: str | torch.device = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    batch_size: int = 16,
+    trust_remote_code: bool = False,
 ) -> Any:
     """`--reward-model DIR` as a reward function: the saved model, frozen, scoring in batches."""
-    return RewardModel.load(path, device, dtype).reward_fn(batch_size)
+    return RewardModel.load(path, device, dtype, trust_remote_code).reward_fn(batch_size)

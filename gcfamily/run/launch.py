@@ -3,6 +3,12 @@
 `launch` re-runs the command under torch.distributed.run; each process calls `run_process`, which
 trains with a `distributed.DistEnv`. A user error on any rank ends in one line (the lowest
 failing rank's message) and a non-zero exit, never a traceback per rank.
+
+The processes `launch` starts run this module (`python -m gcfamily.run.launch run ...`), whose first
+instruction asks the kernel to kill the process when the launcher dies and then checks that the
+launcher is still its parent: a launcher killed while the processes start (importing torch, or
+waiting for each other at the rendezvous) takes them with it instead of leaving them connecting to
+a store that is gone. This module imports nothing heavy at its top, so that comes first.
 """
 
 from __future__ import annotations
@@ -14,12 +20,12 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from gcfamily.core.threads import usable_cores
 from gcfamily.errors import GcfError
 
 ERROR_DIR_ENV = "GCF_ERROR_DIR"  # set by `launch`: each failing rank leaves its one-line message there
+LAUNCHER_ENV = "GCF_LAUNCHER_PID"  # set by `launch`: the process whose death ends every process it started
 
 
 def launch(nproc: int, argv: list[str]) -> int:
@@ -33,9 +39,12 @@ def launch(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from gcfamily.core.threads import usable_cores
+
     err_dir = tempfile.mkdtemp(prefix="gcf-errors-")
     saved = dict(os.environ)
     os.environ[ERROR_DIR_ENV] = err_dir
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # torchrun's agent runs here: the processes' parent
     # torchrun would set 1 (and warn): each process's share of this machine's cores instead, the most its threads=auto
     # then takes, fewer when other processes keep cores busy (gcfamily/core/threads.py)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nproc)))
@@ -43,7 +52,8 @@ def launch(nproc: int, argv: list[str]) -> int:
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)  # its failure report repeats what the ranks already printed
     try:
-        run(parse_args(["--standalone", "--nproc_per_node", str(nproc), "-m", "gcfamily", *strip_nproc(argv)]))
+        args = ["--standalone", "--nproc_per_node", str(nproc), "-m", "gcfamily.run.launch", *strip_nproc(argv)]
+        run(parse_args(args))
         return 0
     except ChildFailedError as e:
         message = first_error(Path(err_dir))
@@ -98,7 +108,7 @@ def strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def first_error(err_dir: Path) -> Optional[tuple[int, str]]:
+def first_error(err_dir: Path) -> tuple[int, str] | None:
     """(exit code, message) left by the lowest rank that failed with a user error, if any."""
     files = sorted(err_dir.glob("rank-*"), key=lambda p: int(p.name[5:]))
     if not files:
@@ -107,7 +117,7 @@ def first_error(err_dir: Path) -> Optional[tuple[int, str]]:
     return int(code), text
 
 
-def run_process(cfg: Any, resume: Optional[str]) -> None:
+def run_process(cfg: Any, resume: str | None) -> None:
     """`gcf run` in one process of torchrun: join the group, train, leave the group.
 
     A user error on any rank ends in one line (rank 0's, or the lowest failing rank's through the
@@ -149,9 +159,12 @@ def run_process(cfg: Any, resume: Optional[str]) -> None:
             env.close()
 
 
-def die_with_parent() -> None:
+def die_with_parent(expected: int | None = None) -> None:
     """Never outlive the launcher: the kernel sends SIGKILL to this process when its parent (torchrun's agent,
-    inside `gcf run --nproc N`) dies, however it dies; a watchdog thread does the same where prctl is missing."""
+    inside `gcf run --nproc N`) dies, however it dies; a watchdog thread does the same where prctl is missing.
+
+    `expected`: the launcher's pid. The parent may be gone before the line that asks the kernel: then this process is
+    already someone else's child and ends at once."""
     parent = os.getppid()
     try:
         import ctypes
@@ -169,6 +182,18 @@ def die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, name="gcf-parent-watchdog", daemon=True).start()
+    if expected is not None and os.getppid() != expected:  # the launcher died before the kernel was asked
+        os._exit(128 + signal.SIGKILL)
+
+
+def worker_main() -> None:
+    """A process started by `launch`: tie its life to the launcher's first, then run `gcf` with its argv."""
+    import runpy
+
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    die_with_parent(int(launcher) if launcher.isdigit() else None)
+    # then exactly `python -m gcfamily`, run by name: this layer does not import the commands above it
+    runpy.run_module("gcfamily", run_name="__main__", alter_sys=True)
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -177,3 +202,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 def peer_lost(e: BaseException) -> bool:
     """Whether `e` is a collective failing because another process of the group is gone."""
     return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST)
+
+
+if __name__ == "__main__":  # `python -m gcfamily.run.launch`: a process of `gcf run --nproc N`
+    worker_main()
