@@ -55,10 +55,13 @@ def heldout(folder: Path, final: bool = True, accuracy: bool = True) -> Optional
         return None
     rec = max(records, key=lambda r: r["step"]) if final else records[0]
 
-    def score(r: Optional[float]) -> float:
-        return float(r is not None and r >= 1.0) if accuracy else float(r or 0.0)
+    def score(row: dict[str, Any]) -> float:
+        r = row["reward"]
+        if not accuracy:
+            return float(r or 0.0)
+        return float(row.get("correct", r is not None and r >= 1.0))  # `correct`: the evaluation's own verdict
 
-    return {(int(row["index"]), str(row["prompt"])): score(row["reward"]) for row in rec["rows"]}
+    return {(int(row["index"]), str(row["prompt"])): score(row) for row in rec["rows"]}
 
 
 def prompts_of(folder: Path) -> Optional[list[str]]:

@@ -12,6 +12,7 @@ naming both. Each field's docstring is what `gcf settings --method M` prints.
 
 from __future__ import annotations
 
+from gcfamily.config.budget import planned_steps
 from gcfamily.config.io import (
     _coerce,
     apply,
@@ -28,6 +29,7 @@ from gcfamily.config.io import (
 from gcfamily.config.shared import FIELD_NAMES, FIELDS, INTERNAL, Config, MethodSettings, validate
 
 __all__ = [
+    "planned_steps",
     "FIELDS",
     "FIELD_NAMES",
     "INTERNAL",

@@ -19,7 +19,7 @@ import torch
 
 from gcfamily.config import FIELD_NAMES, Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import epoch_indices
-from gcfamily.core.engine import token_weights
+from gcfamily.core.engine import effective_mask, example_weights, token_weights
 
 from gcfamily.methods.services import LocalServices, Services
 
@@ -32,6 +32,11 @@ Stats = dict[str, float]
 """A step's statistics, returned beside its batch by `data` and `prepare` and logged under their names."""
 GENERATED = "tokens/generated"
 """The statistic in which a data source that samples reports how many tokens it generated (budgets and FLOPs count it)."""
+
+
+DRAWN_FROM = ("examples", "pairs", "pool_prompts", "rows")
+"""The lists the built-in methods draw each step's examples from (step_indices(len(...))): encoded rows (sft, kto),
+pairs (dpo and its variants, reward-model), the pool's prompts (rft-offline), the prompts (on-policy methods)."""
 
 
 class Method:
@@ -138,6 +143,16 @@ class Method:
         """How many passes over each prepared batch (PPO/GRPO's mu)."""
         return 1
 
+    def examples_per_epoch(self) -> int | None:
+        """N, the examples one pass over the training data holds, after setup (what `epochs` counts in passes): by
+        default the length of the list the built-in methods draw each step from (`DRAWN_FROM`); None where the method
+        has none, and then `epochs` is refused for it. Override where a method draws from elsewhere."""
+        for name in DRAWN_FROM:
+            drawn = getattr(self, name, None)
+            if isinstance(drawn, (list, tuple)):
+                return len(drawn)
+        return None
+
     def num_minibatches(self) -> int:
         """Optimizer steps per pass."""
         return 1
@@ -174,6 +189,40 @@ class Method:
         FSDP2) or a model it trains (PPO's critic, whose gradients are averaged over the ranks)."""
         return [m for m in vars(self).values() if isinstance(m, torch.nn.Module)]
 
+    # -- held-out figures (gcfamily/run/evaluation.py) --------------------------------
+    def eval_batch(self, services: Services, rows: list[dict[str, Any]]) -> Batch | None:
+        """The held-out rows (eval_dataset's first eval_samples) as a batch for `eval_metrics`; None (here): the method
+        reports no held-out figures of its own. Called once, before any update, so the policy is still pi_ref: a method
+        whose objective reads pi_ref's log-probs computes them here."""
+        return None
+
+    def eval_metrics(self, services: Services, batch: Batch) -> dict[str, float]:
+        """Held-out figures of the policy now on `batch` (eval_batch's), without grad: here eval/loss, -J of `objective`
+        with the method's aggregation, every held-out row counted as one step of the training normalisation."""
+        logps = services.logprobs(services.policy(), batch, self.logprob_temperature())  # [B, L]
+        return {"eval/loss": self.heldout_loss(batch, logps)}
+
+    def heldout_loss(self, batch: Batch, logps: torch.Tensor) -> float:
+        """-J on a held-out batch taken as one step: the training loss's value, with no gradient."""
+        return -float(self.objective(batch, logps, heldout_normaliser(batch, self.norm, self.cfg.norm_constant)))
+
+    def heldout_encode(self, services: Services, rows: list[dict[str, Any]]) -> Encoded | None:
+        """Held-out rows tokenised as this method's data (formats.encode of `data_kind`); None where they are of a format
+        the method does not train on (prompt rows that only a reward scores)."""
+        from gcfamily.data.formats import KINDS, detect, encode
+
+        if not rows or detect(rows[0]) not in KINDS.get(self.data_kind, ()):
+            return None
+        cfg = self.cfg
+        return encode(
+            self.data_kind,
+            rows,
+            services.formatter,
+            cfg.max_length,
+            cfg.long_prompts,
+            f"{self.name or cfg.method} (its eval_dataset)",
+        )
+
     # -- helpers for subclasses ------------------------------------------------------
     def step_indices(self, n: int, step: int) -> list[int]:
         """This process's examples of `step`: batch_size examples (the global batch, deterministic in
@@ -186,6 +235,16 @@ class Method:
     def aggregate(self, per_token: torch.Tensor, batch: Batch, Z: float) -> torch.Tensor:
         """sum_t w_t * term_t / Z: the aggregation of the contract, for textbook objectives."""
         return (token_weights(batch, self.norm) * per_token).sum() / Z
+
+
+def heldout_normaliser(batch: Batch, mode: str, norm_constant: float = 1.0) -> float:
+    """engine.normaliser's Z for one step made of `batch`, on this process alone: every process evaluates every
+    held-out row, so nothing is summed over processes (engine.normaliser would)."""
+    if mode == "token":
+        z = float(effective_mask(batch).sum())
+    else:
+        z = float(example_weights(batch).sum()) * (norm_constant if mode == "constant" else 1.0)
+    return max(z, 1e-12)
 
 
 def gc_stats(coef: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

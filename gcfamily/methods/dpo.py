@@ -20,12 +20,12 @@ changes both the reward and the margin, overrides the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from gcfamily.config import Config, MethodSettings, resolve_settings
+from gcfamily.config import Config, MethodSettings, planned_steps, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.data.formats import encode
@@ -105,9 +105,8 @@ class DPO(Method):
         self.ref_model = None  # pi_ref kept to score pairs as the steps reach them (an open budget over a large pool)
         if self.uses_reference:
             cfg, n = self.cfg, len(self.pairs)
-            reach = min(
-                n, cfg.max_steps * cfg.batch_size
-            )  # steps 0..max_steps-1 read the first reach positions of the data order
+            # the planned steps (max_steps, or what `epochs` passes take) read the first reach positions of the data order
+            reach = min(n, planned_steps(cfg, n) * cfg.batch_size)
             if (cfg.max_time or cfg.max_tokens or cfg.max_flops) and reach > _UPFRONT_PAIRS:
                 self.ref_model = (
                     services.reference()
@@ -201,12 +200,42 @@ class DPO(Method):
             for b, (i, s) in enumerate(rows):
                 if (i, s) not in self.ref:
                     raise GcfError(
-                        f"Pair {i} has no reference log-probs (step {step} is past max_steps={self.cfg.max_steps}); raise max_steps and resume."
+                        f"Pair {i} has no reference log-probs (step {step} is past the {planned_steps(self.cfg, len(self.pairs))} steps planned); raise max_steps (or epochs) and resume."
                     )
                 start = len(self.pairs[i][0])
                 ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
             batch["ref_logps"] = ref
         return batch, {"skipped_long_prompts": float(self.skipped), **self.pool_stats}
+
+    # -- held-out figures ------------------------------------------------------------
+    def eval_batch(self, services: Services, rows: list[dict[str, Any]]) -> Batch | None:
+        """Held-out preference rows as pairs laid out as in training (chosen 2i, rejected 2i+1, weight 1/2), with
+        pi_ref's log-probs: the policy now, before any update. None for rows of another format (prompts a reward scores)."""
+        data = self.heldout_encode(services, rows)
+        if data is None:
+            return None
+        rows_ids = [(p, c) for p, chosen, rejected in data.examples for c in (chosen, rejected)]
+        batch: Batch = collate(rows_ids, self.pad_id)
+        batch["example_weight"] = torch.full((len(rows_ids),), 0.5)  # [B]: a pair is one example, Z counts pairs
+        if self.uses_reference:
+            policy = services.policy()
+            was_training = policy.training
+            policy.eval()
+            batch["ref_logps"] = services.logprobs(policy, batch)  # [B, L]
+            policy.train(was_training)
+        return batch
+
+    def eval_metrics(self, services: Services, batch: Batch) -> dict[str, float]:
+        """eval/loss (the mean pair loss), eval/margin (the mean of m = h_w - h_l) and eval/ranking_accuracy (the
+        fraction of held-out pairs with h_w > h_l, the implicit reward ranking chosen over rejected)."""
+        logps = services.logprobs(services.policy(), batch, self.logprob_temperature())  # [B, L]
+        h, _ = self.rewards(batch, logps)
+        m = h[0::2] - h[1::2]  # [P]
+        return {
+            "eval/loss": self.heldout_loss(batch, logps),
+            "eval/margin": float(m.mean()),
+            "eval/ranking_accuracy": float((m > 0).float().mean()),
+        }
 
     # -- the rule --------------------------------------------------------------------
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

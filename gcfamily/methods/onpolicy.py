@@ -185,7 +185,9 @@ def make_rewards(cfg: Config, services: Services, method: str, steps: bool = Fal
             )
         from gcfamily.rewards.model import load_reward_model
 
-        fn = load_reward_model(cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size)
+        fn = load_reward_model(
+            cfg.reward_model, services.device, services.dtype, cfg.micro_batch_size, cfg.trust_remote_code
+        )
         return Rewards([Term("reward_model", fn=fn, weight=weight)])
     if services.reward_functions is not None:  # objects from Python: functions run in this process
         specs = list(services.reward_functions)
@@ -194,7 +196,9 @@ def make_rewards(cfg: Config, services: Services, method: str, steps: bool = Fal
     if task is not None:
         process = getattr(task, "process_reward", None) if steps else None
         name = (getattr(task, "name", "") or "task") + ("_steps" if process is not None else "")
-        return Rewards([Term(name, fn=process or task.reward, weight=weight)])
+        # the task's answer check is a correctness reward (eval/accuracy); its per-step reward and partial credit are not
+        right = process is None and not getattr(task, "partial", False)
+        return Rewards([Term(name, fn=process or task.reward, weight=weight, correctness=right)])
     raise GcfError(f"{method} needs a reward: pass --reward (e.g. numeric or my_rewards.py:fn) for your dataset.")
 
 

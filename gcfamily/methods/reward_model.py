@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gcfamily.config import Config
+from gcfamily.config import Config, planned_steps
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.core.engine import build_optimizer, lr_lambda, second_model_step
 from gcfamily.core.memory import module_mb
@@ -86,9 +86,10 @@ class RewardModelTraining(Method):
         if cfg.activation_checkpointing and hasattr(self.rm.model, "gradient_checkpointing_enable"):
             self.rm.model.gradient_checkpointing_enable()
         # the reward model is the model this run trains: it takes the run's lr and schedule
+        self.planned = planned_steps(cfg, len(self.pairs))  # the run's steps: max_steps, or what `epochs` passes take
         self.optimizer = build_optimizer(self.rm.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, self.planned, cfg.min_lr_ratio)
         )
         self.pairs_in_step = 0
 
@@ -148,7 +149,7 @@ class RewardModelTraining(Method):
 
     def after_step(self, step: int) -> dict[str, float]:
         every = self.cfg.eval_every
-        if (every and step % every == 0) or step == self.cfg.max_steps:
+        if (every and step % every == 0) or step == self.planned:
             return {"rm/heldout_accuracy": self.heldout_accuracy()}
         return {}
 

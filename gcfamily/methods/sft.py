@@ -6,6 +6,8 @@ GC         1 on every completion token (DeepSeekMath 5.2.1, eq. "GC_SFT = 1").
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gcfamily.data.batches import collate_masked, default_pad_id
@@ -32,6 +34,12 @@ class SFT(Method):
         idx = self.step_indices(len(self.examples), step)
         batch: Batch = collate_masked([self.examples[i] for i in idx], self.pad_id)
         return batch, {"skipped_long_prompts": float(self.skipped)}
+
+    def eval_batch(self, services: Services, rows: list[dict[str, Any]]) -> Batch | None:
+        """Held-out demonstrations as one batch: eval/loss is then their NLL per trained token (per row with
+        loss_norm=sequence), as training normalises it (Method.eval_metrics)."""
+        data = self.heldout_encode(services, rows)
+        return None if data is None else collate_masked(data.examples, self.pad_id)
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(logps)  # [B, L]

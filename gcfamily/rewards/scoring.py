@@ -34,7 +34,7 @@ import torch
 
 from gcfamily.errors import GcfError
 from gcfamily.rewards.calling import call_values, load_user_reward, shorten, split_spec
-from gcfamily.rewards.verifiable import _FLOAT32_MAX, REWARDS, RewardFn, _name
+from gcfamily.rewards.verifiable import _FLOAT32_MAX, REWARDS, RewardFn, _name, is_correctness
 
 
 class RewardFailure(GcfError):
@@ -109,6 +109,13 @@ class Term:
     fn: Optional[RewardFn] = None
     spec: Optional[str] = None
     weight: float = 1.0
+    correctness: bool | None = None
+    """Whether this reward is a correctness check, 1 for a right answer and 0 otherwise (what eval/accuracy counts);
+    None: as its function is marked (verifiable.correctness_reward; the built-ins numeric and exact are)."""
+
+    def __post_init__(self) -> None:
+        if self.correctness is None:
+            self.correctness = self.fn is not None and is_correctness(self.fn)
 
 
 @dataclass

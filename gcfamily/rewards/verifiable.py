@@ -141,6 +141,26 @@ def parse_number(s: Any) -> float | None:
 
 # --------------------------------------------------------------------------- reward functions
 
+CORRECTNESS = "correctness_reward"
+"""The attribute that marks a reward function as a correctness check (`correctness_reward`)."""
+
+
+def correctness_reward(fn: RewardFn) -> RewardFn:
+    """Mark `fn` as a correctness check: it returns 1 for a completion whose answer is right and 0 otherwise.
+
+    Held-out evaluation on your own rows (gcfamily/run/evaluate.py) reports eval/accuracy only where some reward is
+    one: the fraction of samples that every correctness reward scored exactly 1. The built-in ``numeric`` and
+    ``exact`` are marked; mark your own with ``@correctness_reward`` (or ``fn.correctness_reward = True``) and pass
+    the function from Python. A ``module:function`` reward runs in the reward worker, so its mark is not seen.
+    """
+    setattr(fn, CORRECTNESS, True)
+    return fn
+
+
+def is_correctness(fn: object) -> bool:
+    """Whether `fn` is marked as a correctness check (`correctness_reward`)."""
+    return getattr(fn, CORRECTNESS, False) is True
+
 
 def completion_text(completion: Any) -> Any:
     """The text of a completion: itself, or the contents of a message list ([{"role": "assistant", "content": ...}]) joined."""
@@ -184,6 +204,7 @@ def _reference_number(ref: Any) -> float:
     return value
 
 
+@correctness_reward
 def numeric_match(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 where the completion's extracted number equals the ``answer`` column within 1e-6 relative."""
     refs = require_column(columns, "answer", "numeric", len(completions))
@@ -195,6 +216,7 @@ def numeric_match(prompts: list[str], completions: list[str], **columns: Any) ->
     return out
 
 
+@correctness_reward
 def exact_match(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
     """1.0 where the extracted answer (or, if none extracts, the whole completion) equals ``answer``, both stripped."""
     refs = require_column(columns, "answer", "exact", len(completions))

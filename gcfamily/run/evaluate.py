@@ -2,8 +2,13 @@
 
 On a built-in task the reward is the task's and the figure is accuracy (the share of prompts whose
 completion scores >= 1). On your own data (`gcf eval --dataset D --reward R`, or `eval_dataset`
-during training) the figures are the mean reward and, where the rows carry a reference `answer`,
-accuracy in the same sense; prompts go through the same Formatter as training.
+during training) the figures are the mean of the weighted total reward (eval/reward_mean), the mean of
+each reward alone (eval/reward/<name>, over the samples it scored), and eval/accuracy only where a reward
+is a correctness check: one that returns 1 for a right answer and 0 otherwise, the built-in `numeric`
+and `exact` or a function marked with `rewards.correctness_reward`. Accuracy is then the fraction of
+samples that every correctness reward scored exactly 1 (a sample a correctness reward failed on counts
+as wrong); the other rewards and the weights play no part in it. Prompts go through the same Formatter
+as training.
 
 From K completions sampled per prompt (`sampled_eval`, one pass) come pass@1..K and Maj@K: the share of prompts
 whose majority answer is right. A sample's answer is read by the task's `answer` (Task.answer); the majority
@@ -21,15 +26,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from gcfamily.data.formats import Formatter, encode
 from gcfamily.core.onednn import packed_linears
+from gcfamily.data.formats import Formatter, encode
 from gcfamily.errors import GcfError
 
-Answer = Callable[[str], Optional[Hashable]]  # a completion's answer for the vote, None where it gives none
+Answer = Callable[[str], Hashable | None]  # a completion's answer for the vote, None where it gives none
 
 
 @torch.no_grad()
@@ -40,45 +45,62 @@ def evaluate_rows(
     reward: Any,
     max_new_tokens: int = 32,
     batch_size: int = 128,
-    n: Optional[int] = None,
-    accuracy: Optional[bool] = None,
-    details: Optional[list[dict[str, Any]]] = None,
+    n: int | None = None,
+    accuracy: bool | None = None,
+    details: list[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
-    """eval/reward_mean, eval/reward_failed and eval/accuracy (with accuracy=None: where the rows carry an `answer`) over the first n rows.
+    """Greedy completions of the first n rows scored by `reward` (see the module docstring for each figure).
 
+    eval/reward_mean (the weighted total), eval/reward/<name> (each reward of a rewards.Rewards alone),
+    eval/reward_failed, eval/prompts and eval/accuracy. accuracy=True (a task's reward): the share of rows whose
+    total scores >= 1; None: the share of rows that every correctness reward scored 1, reported only where a reward
+    is one (scoring.Term.correctness); False: none.
     rows are prompt-only or prompt-completion rows; `reward` is a rewards.Rewards or any reward function.
-    `details`, when given, receives one {index, prompt, completion, reward} per row (reward None where it failed),
-    what `gcf bench` pairs across methods and seeds.
+    `details`, when given, receives one {index, prompt, completion, reward} per row (reward None where it failed;
+    `correct` too where accuracy is reported), what `gcf bench` pairs across methods and seeds.
     """
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
 
     data = encode("prompts", rows[: n if n is not None else len(rows)], formatter, 1 << 30, "skip", "evaluation")
     rewards = as_rewards(reward)
+    checks = [t.name for t in rewards.terms if t.correctness]
+    counted = bool(accuracy) or (accuracy is None and bool(checks))
     model.eval()
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
     total, ok, correct = 0.0, 0, 0
+    each = {t.name: [0.0, 0] for t in rewards.terms}  # name -> [sum of its valid values, samples it scored]
     with packed_linears(model, batch_size):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_size):
             part = data.rows[s : s + batch_size]
             out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
             columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
             scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
+            for name, (r_k, ok_k) in scored.per_reward.items():
+                each[name][0] += float((r_k.double() * ok_k).sum())
+                each[name][1] += int(ok_k.sum())
             for j, (r, valid) in enumerate(zip(scored.rewards.tolist(), scored.valid.tolist())):
-                if valid:
-                    total, ok, correct = total + r, ok + 1, correct + (r >= 1.0)
-                if details is not None:
-                    details.append(
-                        {
-                            "index": s + j,
-                            "prompt": part[j]["prompt"],
-                            "completion": out.completions[j],
-                            "reward": r if valid else None,
-                        }
+                if accuracy:  # a task's reward: right when the whole reward reaches 1
+                    right = valid and r >= 1.0
+                else:  # every correctness reward gave this sample exactly 1
+                    right = bool(checks) and all(
+                        bool(scored.per_reward[c][1][j]) and float(scored.per_reward[c][0][j]) == 1.0 for c in checks
                     )
+                if valid:
+                    total, ok = total + r, ok + 1
+                correct += right
+                if details is not None:
+                    row = {
+                        "index": s + j,
+                        "prompt": part[j]["prompt"],
+                        "completion": out.completions[j],
+                        "reward": r if valid else None,
+                    }
+                    details.append({**row, "correct": right} if counted else row)
     m = len(data.rows)
     metrics = {"eval/reward_mean": total / max(ok, 1), "eval/reward_failed": float(m - ok), "eval/prompts": float(m)}
-    if accuracy or (accuracy is None and "answer" in data.rows[0]):
+    metrics.update({f"eval/reward/{name}": v / max(k, 1) for name, (v, k) in each.items()})
+    if counted:
         metrics["eval/accuracy"] = correct / max(m, 1)
     return metrics
 
@@ -91,7 +113,7 @@ def heldout_accuracy(
     n: int = 64,
     max_new_tokens: int = 32,
     batch_size: int = 128,
-    formatter: Optional[Formatter] = None,
+    formatter: Formatter | None = None,
 ) -> float:
     """Fraction of the held-out prompts (the first n test rows, each prompt once) of a task whose greedy completion scores >= 1 under the task's reward."""
     rows = task.heldout_rows(n)
@@ -102,7 +124,7 @@ def heldout_accuracy(
     )["eval/accuracy"]
 
 
-def majority_answer(answers: Sequence[Optional[Hashable]]) -> Optional[Hashable]:
+def majority_answer(answers: Sequence[Hashable | None]) -> Hashable | None:
     """The most common answer among one prompt's samples (None votes for nothing); a tie goes to the tied answer that
     appears first among the samples; None when no sample gives an answer."""
     counts = Counter(a for a in answers if a is not None)  # in order of first appearance
@@ -110,19 +132,19 @@ def majority_answer(answers: Sequence[Optional[Hashable]]) -> Optional[Hashable]
     return next((a for a, c in counts.items() if c == best), None)
 
 
-def majority_right(answers: Sequence[Optional[Hashable]], correct: Sequence[bool]) -> bool:
+def majority_right(answers: Sequence[Hashable | None], correct: Sequence[bool]) -> bool:
     """Whether one prompt's majority answer is right: a sample carrying it scored >= 1 (`correct`); False without one."""
     voted = majority_answer(answers)
     return voted is not None and any(ok for a, ok in zip(answers, correct) if a is not None and a == voted)
 
 
-def maj_at_k(answers: Sequence[Sequence[Optional[Hashable]]], correct: Sequence[Sequence[bool]]) -> float:
+def maj_at_k(answers: Sequence[Sequence[Hashable | None]], correct: Sequence[Sequence[bool]]) -> float:
     """Maj@K: the share of prompts whose majority answer is right; answers[i][j] and correct[i][j] are prompt i's
     sample j's answer and whether it scored >= 1."""
     return sum(majority_right(a, c) for a, c in zip(answers, correct)) / max(len(answers), 1)
 
 
-def task_answer(task: Any) -> Optional[Answer]:
+def task_answer(task: Any) -> Answer | None:
     """The task's `answer` where its class defines one (Task's default reads none), else None."""
     from gcfamily.tasks.base import Task
 
@@ -131,7 +153,7 @@ def task_answer(task: Any) -> Optional[Answer]:
     return task.answer
 
 
-def answer_extractor(task: Any = None, answer: Optional[Answer] = None) -> Answer:
+def answer_extractor(task: Any = None, answer: Answer | None = None) -> Answer:
     """What Maj@K votes with: `answer` when given, else the task's; GcfError when there is neither."""
     found = answer if answer is not None else task_answer(task)
     if found is not None:
@@ -147,7 +169,7 @@ def answer_extractor(task: Any = None, answer: Optional[Answer] = None) -> Answe
     )
 
 
-def _answers(answer: Answer, completions: Sequence[str]) -> list[Optional[Hashable]]:
+def _answers(answer: Answer, completions: Sequence[str]) -> list[Hashable | None]:
     """answer(c) for each completion; a raising or unhashable answer is one sentence."""
     name = getattr(answer, "__qualname__", type(answer).__name__)
     out = []
@@ -170,7 +192,7 @@ class SampledEval:
 
     pass_at_k: dict[int, float]
     """pass@j for j = 1..k, the unbiased estimator averaged over prompts."""
-    maj_at_k: Optional[float]
+    maj_at_k: float | None
     """The share of prompts whose majority answer is right; None without an answer function."""
     prompts: int
     """Prompts sampled."""
@@ -192,16 +214,16 @@ def sampled_eval(
     max_new_tokens: int = 32,
     seed: int = 0,
     batch_prompts: int = 16,
-    answer: Optional[Answer] = None,
+    answer: Answer | None = None,
 ) -> SampledEval:
     """pass@1..k and (with `answer`, e.g. `answer_extractor(task)`) Maj@k from the same k sampled completions per prompt.
 
     A sample is correct when it scores >= 1; pass@j is the unbiased estimator over the k samples, Maj@k as in the
     module docstring. batch_prompts x k rows are sampled at once: 16 x 8 took 33-36 s for 64 sorting-short prompts on
     SmolLM2-135M (2 threads), 8 x 8 43-48 s."""
+    from gcfamily.core.stats import pass_at_k
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
-    from gcfamily.core.stats import pass_at_k
 
     data = encode("prompts", rows, formatter, 1 << 30, "skip", "evaluation")
     rewards = as_rewards(reward)
@@ -209,7 +231,7 @@ def sampled_eval(
     settings = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens)
     gen = torch.Generator().manual_seed(seed)
     correct: list[list[bool]] = []  # [prompts][k]
-    answers: list[list[Optional[Hashable]]] = []  # [prompts][k]
+    answers: list[list[Hashable | None]] = []  # [prompts][k]
     with packed_linears(model, batch_prompts * k):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_prompts):
             part = data.rows[s : s + batch_prompts]

@@ -1,6 +1,16 @@
-"""The run's rows and evaluations: what a method trains on, the validation rows kept out of it, and the greedy
-held-out figures (eval_at_ends, eval_every, eval_every_s). An object the Trainer holds, given the settings, the data and the
+"""The run's rows and evaluations: what a method trains on, the validation rows kept out of it, and the held-out
+figures (eval_at_ends, eval_every, eval_every_s). An object the Trainer holds, given the settings, the data and the
 formatter; the policy and the method come with each call.
+
+The held-out figures of a run on eval_dataset (its first eval_samples rows) are two kinds, each where it applies:
+- the method's own objective on those rows (`Method.eval_batch` / `Method.eval_metrics`): eval/loss for SFT, and for
+  DPO and its variants eval/loss, eval/margin and eval/ranking_accuracy on held-out preference pairs. The method
+  turns the rows into a batch once, in `check`, before any update, so that pi_ref's log-probs are the initial
+  policy's (the Trainer calls `check` after the method's setup and before a resumed checkpoint is loaded);
+- the greedy completions of those rows scored by the run's reward (gcfamily/run/evaluate.py: eval/reward_mean, one
+  eval/reward/<name> per reward, eval/accuracy where a reward is a correctness check). A method with figures of its
+  own needs no reward: without one, no completion is generated.
+On a built-in task the figure is the task's held-out accuracy, as before.
 """
 
 from __future__ import annotations
@@ -8,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
+from gcfamily.run.writes import append_lines
 
 
 class Evaluation:
@@ -24,7 +35,7 @@ class Evaluation:
         formatter: Any,
         dataset: Any,
         eval_dataset: Any,
-        rewards: Optional[list],
+        rewards: list | None,
         out_dir: Path,
         is_main: bool,
     ) -> None:
@@ -32,8 +43,11 @@ class Evaluation:
         self.dataset, self.eval_dataset, self.rewards = dataset, eval_dataset, rewards
         self.out_dir, self.is_main = out_dir, is_main
         self.task = self._load_task()
-        self._eval_cache: Optional[list[dict[str, Any]]] = None
+        self._eval_cache: list[dict[str, Any]] | None = None
         self._eval_reward_fn: Any = None
+        self.method_batch: Any = None
+        """eval_dataset's rows as the method's held-out batch (Method.eval_batch, made in `check`); None: no figures of the
+        method's own."""
 
     def training_rows(self) -> list[dict[str, Any]]:
         """The rows the method trains on: the dataset's (columns renamed), else the task's rows for this method."""
@@ -81,26 +95,37 @@ class Evaluation:
         gathered: contextlib.AbstractContextManager,
         autocast: contextlib.AbstractContextManager,
     ) -> dict[str, float]:
-        """Greedy held-out figures of `policy` (the plain model; `gathered` holds its whole parameters under FSDP2):
-        on eval_dataset, its mean reward (and accuracy where rows carry an answer); else on the task, its accuracy.
-        Nothing when neither exists or the method trains no policy."""
+        """Held-out figures of `policy` (the plain model; `gathered` holds its whole parameters under FSDP2): on
+        eval_dataset, the method's own objective (Method.eval_metrics) and the greedy completions' rewards (where the run
+        has a reward); else on the task, its accuracy. Nothing when neither exists or the method trains no policy."""
         if not method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
         from gcfamily.run.evaluate import evaluate_rows
 
         cfg = self.cfg
         was_training = policy.training
+        out: dict[str, float] = {}
+        if self.method_batch is not None:  # outside `gathered`: services.logprobs runs an FSDP2 policy through its root
+            policy.eval()
+            try:
+                out.update(method.eval_metrics(method.services, self.method_batch))
+            finally:
+                policy.train(was_training)
+            if not self.scores_completions(method):
+                return out
         details: list[dict[str, Any]] = []
         with gathered, autocast:
             if self.eval_dataset is not None:
-                out = evaluate_rows(
-                    policy,
-                    self.formatter,
-                    self.eval_rows(),
-                    self.eval_reward(method),
-                    cfg.max_new_tokens,
-                    n=cfg.eval_samples,
-                    details=details,
+                out.update(
+                    evaluate_rows(
+                        policy,
+                        self.formatter,
+                        self.eval_rows(),
+                        self.eval_reward(method),
+                        cfg.max_new_tokens,
+                        n=cfg.eval_samples,
+                        details=details,
+                    )
                 )
             else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
                 validation = bool(cfg.validation_rows)  # then the test split is never read
@@ -109,18 +134,18 @@ class Evaluation:
                     if validation
                     else self.task.heldout_rows(cfg.eval_samples)
                 )
-                out = evaluate_rows(
+                got = evaluate_rows(
                     policy, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details
                 )
-                out = {"eval/val_accuracy" if validation else "eval/accuracy": out["eval/accuracy"]}
+                out = {"eval/val_accuracy" if validation else "eval/accuracy": got["eval/accuracy"]}
         policy.train(was_training)
         if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
-            with (self.out_dir / "eval_details.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, "rows": details}) + "\n")
+            append_lines(self.out_dir / "eval_details.jsonl", [json.dumps({"step": step, "rows": details})])
         return out
 
     def check(self, method: Any) -> None:
-        """Refuse, before training, an evaluation that could not run or would report the wrong thing."""
+        """Refuse, before training, an evaluation that could not run or would report the wrong thing; make the method's
+        held-out batch (Method.eval_batch) while the policy is still the initial one."""
         cfg = self.cfg
         wanted = cfg.eval_at_ends or cfg.eval_every or cfg.eval_every_s
         if not wanted or not method.trains_policy:
@@ -128,15 +153,29 @@ class Evaluation:
         if self.eval_dataset is None and self.dataset is not None:
             raise GcfError(
                 "Evaluating a run on your own dataset needs held-out rows: pass --set eval_dataset=PATH_OR_HUB_ID (split: eval_split) "
-                "and a --reward; a built-in task's accuracy is never reported for it."
+                "and a --reward to score their greedy completions (sft and dpo report their held-out loss without one); "
+                "a built-in task's accuracy is never reported for it."
             )
         if self.eval_dataset is not None:
-            from gcfamily.data.formats import encode
+            self.method_batch = method.eval_batch(method.services, self.eval_rows()[: cfg.eval_samples])
+            if self.scores_completions(method):
+                from gcfamily.data.formats import encode
 
-            encode(
-                "prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation"
-            )  # its format, now rather than after training
-            self.eval_reward(method)
+                encode(
+                    "prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation"
+                )  # its format, now rather than after training
+                self.eval_reward(method)
+
+    def scores_completions(self, method: Any) -> bool:
+        """Whether an evaluation on eval_dataset generates and scores completions: always for a method without held-out
+        figures of its own (then a missing reward is an error), else only where the run has a reward."""
+        if self.method_batch is None:
+            return True
+        from gcfamily.rewards import reward_specs
+
+        return bool(
+            getattr(method, "reward_fn", None) or self._eval_reward_fn or self.rewards or reward_specs(self.cfg.reward)
+        )
 
     def eval_rows(self) -> list[dict[str, Any]]:
         """eval_dataset's rows (columns renamed), read once."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class RunServices(LocalServices):
         return self._trainer.task
 
     @property
-    def reward_functions(self) -> Optional[list]:  # type: ignore[override]
+    def reward_functions(self) -> list | None:  # type: ignore[override]
         return self._trainer.rewards
 
     @property
@@ -124,5 +124,5 @@ class RunServices(LocalServices):
     def autocast(self) -> contextlib.AbstractContextManager:
         return self._trainer.autocast()
 
-    def run_file(self, name: str) -> Optional[Path]:
+    def run_file(self, name: str) -> Path | None:
         return self._trainer.out_dir / name

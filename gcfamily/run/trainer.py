@@ -14,28 +14,26 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from gcfamily.config import Config, planned_steps, resolve_settings, to_dict, validate
 from gcfamily.core import engine, onednn, precision, threads
-from gcfamily.models import lora
-from gcfamily.config import Config, resolve_settings, to_dict
-from gcfamily.config import validate
+from gcfamily.core.memory import peak_memory_mb, release_free_heap
 from gcfamily.data.batches import select, split_batch, to_device
-from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.data.formats import Formatter
-from gcfamily.run.logger import RunLogger
+from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.methods import get_method
 from gcfamily.methods.base import GENERATED, Batch, Method, gc_stats
-from gcfamily.models import load_model
-from gcfamily.core.memory import peak_memory_mb, release_free_heap
-from gcfamily.run.services import RunServices
+from gcfamily.models import load_model, lora
 from gcfamily.rollout import context_length
 from gcfamily.run import checkpoint
 from gcfamily.run.evaluation import Evaluation
 from gcfamily.run.folder import RunFolder, apply_changed_settings
+from gcfamily.run.logger import RunLogger
 from gcfamily.run.saving import Saving
+from gcfamily.run.services import RunServices
 
 _HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
 
@@ -58,21 +56,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    """Owns the policy, its optimizer and the method; runs `max_steps` steps. It holds its run folder, its rows and
-    evaluations, and its saving as objects (gcfamily/run/folder.py, evaluation.py, saving.py), and gives the method its
-    Services (gcfamily/run/services.py)."""
+    """Owns the policy, its optimizer and the method; runs `max_steps` steps (or what `epochs` passes take). It holds
+    its run folder, its rows and evaluations, and its saving as objects (gcfamily/run/folder.py, evaluation.py,
+    saving.py), and gives the method its Services (gcfamily/run/services.py)."""
 
     def __init__(
         self,
         cfg: Config,
-        resume: Optional[str] = None,
+        resume: str | None = None,
         dist_env: Any = None,
         *,
-        method: Optional[type] = None,
+        method: type | None = None,
         model: Any = None,
         dataset: Any = None,
         eval_dataset: Any = None,
-        rewards: Optional[list] = None,
+        rewards: list | None = None,
     ) -> None:
         """Objects from Python (gcfamily.api.train) ride beside cfg: a Method class, a (model, tokenizer) pair,
         a Dataset or list of rows, reward functions; cfg then records their names."""
@@ -92,7 +90,7 @@ class Trainer:
         self.folder = RunFolder(cfg, dist_env)
         self.out_dir = self.folder.out_dir
         self.saving = Saving(cfg, self.out_dir, dist_env)
-        self.stop_signal: Optional[str] = None
+        self.stop_signal: str | None = None
         """SIGTERM or SIGINT once one arrived: the run checkpoints at the end of the step and stops."""
         self.threads_before = torch.get_num_threads()
         """torch's thread count before the run: put back when the run ends (and auto's ceiling, gcfamily/core/threads.py)."""
@@ -106,7 +104,7 @@ class Trainer:
             threads.apply(self.threads_before)
             raise
 
-    def _build(self, resume_path: Optional[Path], model: Any) -> None:
+    def _build(self, resume_path: Path | None, model: Any) -> None:
         """Everything that can fail, with the folder locked but unchanged: models, the method's data, the optimizer, a
         resumed state, the logger; then the folder's commit (run_config.json is written only once all of it passed)."""
         cfg, dist_env = self.cfg, self.dist
@@ -122,7 +120,7 @@ class Trainer:
         if model is not None:
             from gcfamily.models import adopt_model
 
-            self.policy, self.tokenizer = adopt_model(model, self.dtype, self.device)
+            self.policy, self.tokenizer = adopt_model(model, self.dtype, self.device, cfg.trust_remote_code)
         else:
             self.policy, self.tokenizer = load_model(
                 cfg.model, self.dtype, self.device, cfg.trust_remote_code, cfg.seed
@@ -155,6 +153,10 @@ class Trainer:
         self.services = RunServices(self)
         self.method.setup(self.services)  # may load a reference or a critic from the untouched policy
         self.evaluation.check(self.method)
+        n = self.method.examples_per_epoch() if cfg.epochs else None
+        self.max_steps = planned_steps(cfg, n)
+        """The steps this run plans: max_steps, or what `epochs` passes take (the lr schedule spans them)."""
+        self._bar: Any = None  # the progress bar while the run goes
         self.folder.check_room(self.policy)
         state = (
             self.saving.load_checkpoint(resume_path, self.unwrapped_policy(), self.weight_keys(), self.method)
@@ -169,7 +171,7 @@ class Trainer:
         self.optimizer = engine.build_optimizer(
             self.policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas)
         )
-        total = cfg.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
+        total = self.max_steps * self.method.inner_epochs() * self.method.num_minibatches()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total, cfg.min_lr_ratio)
         )
@@ -177,7 +179,7 @@ class Trainer:
         self.bad_steps = 0  # in a row, up to now
         self.skipped_steps = 0  # in all
         self.trained_steps = 0  # optimizer steps that updated the model
-        self.first_bad_step: Optional[int] = None
+        self.first_bad_step: int | None = None
         self.elapsed_s = 0.0  # seconds spent in training steps, for max_time
         self.tokens_seen = 0.0  # generated plus trained tokens, for max_tokens
         self.flops_seen = 0.0  # estimated: 6 P per loss token, 2 P per generated token, for max_flops
@@ -193,6 +195,13 @@ class Trainer:
         self.folder.commit()
         if self.is_main and (cfg.progress or "no longer bitwise" in self.threads.reason):
             print(f"threads: {self.threads.reason}.", file=sys.stderr)  # beside the progress bar; always in the metrics
+        if self.is_main and cfg.progress and cfg.epochs:
+            given = f", max_steps={cfg.max_steps} given" if "max_steps" in cfg.explicit else ""
+            print(
+                f"epochs={cfg.epochs:g}: {n} examples a pass at batch_size {cfg.batch_size}{given}: "
+                f"{self.max_steps} steps.",
+                file=sys.stderr,
+            )
         if self.folder.change is not None:
             self._log(self.step, {"settings_changed": 1.0})
 
@@ -257,22 +266,49 @@ class Trainer:
         """The run's settings, and for a full-weight checkpoint config.json and the tokenizer (Saving.checkpoint_extras)."""
         return Saving.checkpoint_extras(self.unwrapped_policy(), self.tokenizer, self.weight_keys(), self.folder.record)
 
-    def save_checkpoint(self) -> Optional[Path]:
+    def save_checkpoint(self) -> Path | None:
         """A resumable checkpoint of this run (rank 0 writes)."""
         return self.saving.save_checkpoint(self)
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out figures of the policy now (Evaluation.evaluate)."""
-        return self.evaluation.evaluate(
+        """The held-out figures of the policy now (Evaluation.evaluate); the console says when one starts and what it
+        found, since greedy decoding of the held-out prompts can take minutes with the progress bar standing still."""
+        cfg = self.cfg
+        say = (
+            self.is_main
+            and cfg.progress
+            and self.method.trains_policy
+            and (self.task is not None or self.eval_dataset is not None)
+        )
+        if say:
+            self._say(f"evaluating at step {self.step} on up to {cfg.eval_samples} held-out examples...")
+        t0 = time.perf_counter()
+        out = self.evaluation.evaluate(
             self.unwrapped_policy(), self.method, self.step, self.full_parameters(), self.autocast()
         )
+        if say and out:
+            found = ", ".join(f"{k} {v:.4g}" for k, v in out.items())
+            self._say(f"evaluated at step {self.step} in {time.perf_counter() - t0:.1f} s: {found}")
+        return out
 
     def summary(self) -> str:
-        """The console's closing lines (Saving.summary)."""
-        return self.saving.summary(self.step, time.perf_counter() - getattr(self, "started", time.perf_counter()))
+        """The console's closing lines (Saving.summary), then where the curves are."""
+        text = self.saving.summary(self.step, time.perf_counter() - getattr(self, "started", time.perf_counter()))
+        return "\n".join([text, *self.curves()])
+
+    def curves(self) -> list[str]:
+        """Where this run's metrics are: metrics.jsonl, and the TensorBoard command when it logged events."""
+        import shlex
+
+        lines = []
+        if (self.out_dir / "metrics.jsonl").is_file():
+            lines.append(f"  metrics: {self.out_dir / 'metrics.jsonl'}")
+        if (self.out_dir / "tensorboard").is_dir():
+            lines.append(f"  curves: tensorboard --logdir {shlex.quote(str(self.out_dir / 'tensorboard'))}")
+        return lines
 
     # ------------------------------------------------------------------ what a checkpoint holds
-    def weight_keys(self) -> Optional[set[str]]:
+    def weight_keys(self) -> set[str] | None:
         """The policy weights a checkpoint holds: all (None), or with LoRA only the adapters."""
         policy = self.unwrapped_policy()
         return lora.adapter_keys(policy) if lora.is_peft(policy) else None
@@ -427,12 +463,12 @@ class Trainer:
             stack.callback(threads.apply, self.threads_before)  # the program's own count again once the run ends
             stack.callback(self.logger.close)
             stack.callback(install_stop_handlers(self._on_signal))
-            bar = stack.enter_context(self._progress())
+            bar = self._bar = stack.enter_context(self._progress())
             stack.enter_context(onednn.packing(cfg.rollout_pack_weights))  # rollouts and evaluations of this run
             evaluated = cfg.eval_at_ends and self.step == 0
             if evaluated:
                 self._log(0, self.evaluate())
-            while self.step < cfg.max_steps and not self.budget_spent():
+            while self.step < self.max_steps and not self.budget_spent():
                 batch, stats, t0 = self.collect()
                 metrics = self.train_step(batch)
                 self.step += 1
@@ -512,7 +548,7 @@ class Trainer:
         cfg = self.cfg
         if (
             self.step % cfg.log_every == 0
-            or self.step == cfg.max_steps
+            or self.step == self.max_steps
             or self.budget_spent()
             or any(k.startswith("eval/") for k in metrics)
         ):
@@ -522,7 +558,7 @@ class Trainer:
             bar.set_postfix(
                 loss=f"{metrics.get('loss', float('nan')):.4f}", tok_s=f"{metrics['train_tokens_per_s']:.0f}"
             )
-        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.max_steps:
             self.save_checkpoint()
         if self._stop:
             self.save_checkpoint()
@@ -556,7 +592,7 @@ class Trainer:
     def _time_to_evaluate(self, before_s: float) -> bool:
         """This step's training time crossed a multiple of eval_every_s (and the run goes on: the end has its own evaluation)."""
         every = self.cfg.eval_every_s
-        last = self.step >= self.cfg.max_steps or self.budget_spent()
+        last = self.step >= self.max_steps or self.budget_spent()
         return (
             bool(every)
             and int(self.elapsed_s // every) > int(before_s // every)
@@ -591,10 +627,17 @@ class Trainer:
         """SIGTERM/SIGINT: a checkpoint at the end of the step, then stop."""
         self.stop_signal = signal.Signals(signum).name
 
+    def _say(self, line: str) -> None:
+        """A line on stderr, above the progress bar when there is one."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     def _progress(self) -> contextlib.AbstractContextManager:
         """The progress bar (closed when the run ends), or None without one."""
         if not (self.cfg.progress and self.is_main):
             return contextlib.nullcontext(None)
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.cfg.max_steps, initial=self.step, desc=f"{self.cfg.method}", dynamic_ncols=True)
+        return tqdm(total=self.max_steps, initial=self.step, desc=f"{self.cfg.method}", dynamic_ncols=True)
