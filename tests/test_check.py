@@ -47,7 +47,7 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "equal-reward groups",
         "failed rewards",
         "micro-batches",
-        "8 cases: 8 passed, 0 failed",
+        "9 cases: 9 passed, 0 failed",
     ):
         assert line in out, line
     assert "FAILED" not in out

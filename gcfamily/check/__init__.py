@@ -22,6 +22,10 @@ objective, with (b) on that objective's GC, for a class whose coefficient and ob
 that has a hook the textbook does not know (named); and a class that overrides only one of coefficient and
 objective fails, with a sentence saying the other must change too.
 
+Micro-batches hold unequal counts; a `simulated_ranks` case (RANKS) splits the step over ranks whose all_sum waits
+for the others (world.Collective); running state is built over three warm-up steps; pairs come from the method's own
+data(); the second model's loss (PPO's critic, the reward model) is checked through its own step (second.py).
+
 Each check counts the branches its batch reached (clipped low and high, the clip-higher band, KL past the
 clamp, an equal-reward group, a failed reward, several micro-batches, ...) and fails when a branch its
 settings make reachable did not occur: a pass is never a pass on a batch that could not tell.
@@ -38,12 +42,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gcfamily.core import engine
-
 # the stub world (sizes, rewards, stub trainer and critic), the textbook, the batches and the families (their cases,
 # and what a class is held to) live in modules of their own
 from gcfamily.check.families import (
     FAMILIES,
+    RANKS,
     TAU,
     Family,
     cases,
@@ -53,16 +56,18 @@ from gcfamily.check.families import (
     textbook_for,
     unsupported,
 )
-from gcfamily.check.world import MICRO, TOL_A, TOL_B, G, N, V, World, make
-from gcfamily.data.batches import select
+from gcfamily.check.second import SecondCheck, policyless_check
+from gcfamily.check.world import TOL_A, TOL_B, G, N, V, World, make, micro_batches
+from gcfamily.core import engine
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 
 __all__ = [
     "FAMILIES",
-    "G",
+    "RANKS",
     "TAU",
     "Family",
+    "G",
     "Outcome",
     "cases",
     "check_once",
@@ -170,34 +175,47 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     assert fam is not None
     gen = torch.Generator().manual_seed(seed)
     world = World(N, gen)
-    built = fam.build(cls, settings, world, gen, tb, seed)
-    m, batch = built.method, built.batch
+    ranks = settings.get(RANKS, 1)
+    settings = {k: v for k, v in settings.items() if k != RANKS}
+    built = fam.build(cls, settings, world, gen, tb, seed, **({"ranks": ranks} if ranks > 1 else {}))
+    m = built.method
     tau, tau_m = built.tau, m.logprob_temperature()  # the textbook's pi, and the temperature of the engine's log-probs
     if tau != 1.0:
         out.branches[f"log-probs at temperature {tau:g}"] += 1
-    ids, B = batch["row_id"], batch["input_ids"].shape[0]
-    size = max(m.rows_per_example, MICRO - MICRO % m.rows_per_example)
-    mbs = [select(batch, slice(s, s + size)) for s in range(0, B, size)]
+    # each rank's micro-batches; the whole step's rows (every rank's, in rank order) for the per-token comparisons
+    parts = [(m_r, micro_batches(b_r, m_r.rows_per_example)) for m_r, b_r in built.ranks()]
+    mbs = [mb for _, mbs_r in parts for mb in mbs_r]
+    batch = {k: torch.cat([mb[k] for mb in mbs]) for k in ("row_id", "input_ids", "loss_mask")}
+    batch["valid"] = torch.cat([mb["valid"] if "valid" in mb else torch.ones(len(mb["row_id"])) for mb in mbs])
+    ids = batch["row_id"]
     out.branches["micro-batches"] += len(mbs)
     out.required.add("micro-batches")
-    Z = engine.normaliser(mbs, m.norm, m.cfg.norm_constant)
+    counts = {engine.normaliser([mb], m.norm, m.cfg.norm_constant) for mb in mbs}
+    out.branches["micro-batches of unequal counts"] += int(len(counts) > 1)
+    out.required.add("micro-batches of unequal counts")
+    if len(parts) > 1:
+        out.branches["simulated ranks"] += len(parts)
+        out.required.add("simulated ranks")
+    # Z of the whole step: each rank's count summed, as the engine's all-reduce sums them
+    Z = sum(engine.normaliser(mbs_r, m_r.norm, m_r.cfg.norm_constant) for m_r, mbs_r in parts)
     base = world.logps(tau=tau)  # [n, L] the current policy, as the textbook states it
     seen = world.logps(tau=tau_m)  # [n, L] what the engine's forward gives the method (equal unless it errs)
     # every quantity below is first tested for NaN and inf: a tolerance test is False for NaN, and one NaN
     # coefficient poisons the whole loss even on padding (NaN * 0 is NaN), so a non-finite value fails by name
     _nonfinite("the engine's normaliser Z", Z, out, seed)
 
-    lp = seen.clone().requires_grad_(True)  # (a) the engine, micro-batch by micro-batch
+    lp = seen.clone().requires_grad_(True)  # (a) the engine, micro-batch by micro-batch, rank by rank (summed)
     coefs = []
-    for mb in mbs:
-        coefs.append(m.coefficient(mb, lp[mb["row_id"]].detach()))
-        engine.weighted_loss(coefs[-1], lp[mb["row_id"]], mb, m.norm, Z).backward()
+    for m_r, mbs_r in parts:
+        for mb in mbs_r:
+            coefs.append(m_r.coefficient(mb, lp[mb["row_id"]].detach()))
+            engine.weighted_loss(coefs[-1], lp[mb["row_id"]], mb, m_r.norm, Z).backward()
     _nonfinite("the method's coefficient", torch.cat([c.detach().flatten() for c in coefs]), out, seed)
     got = lp.grad if lp.grad is not None else torch.zeros_like(base)
     _nonfinite("the engine's gradient", got, out, seed)
     lp = seen.clone().requires_grad_(True)
     try:
-        J = m.objective(batch, lp[ids], Z)
+        J = sum(m_r.objective(b_r, lp[b_r["row_id"]], Z) for m_r, b_r in built.ranks())
     except NotImplementedError:
         out.errors.append(
             f"{cls.__name__} has no objective: write {cls.__name__}.objective(batch, logps, Z), J to maximise"
@@ -224,10 +242,11 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
 
     X = world.logits.float().requires_grad_(True)  # (b) the real log-prob backward
     coefs = []
-    for mb in mbs:
-        lp_mb = _engine_logps(X, mb, tau_m)
-        coefs.append(m.coefficient(mb, lp_mb.detach()))
-        engine.weighted_loss(coefs[-1], lp_mb, mb, m.norm, Z).backward()
+    for m_r, mbs_r in parts:
+        for mb in mbs_r:
+            lp_mb = _engine_logps(X, mb, tau_m)
+            coefs.append(m_r.coefficient(mb, lp_mb.detach()))
+            engine.weighted_loss(coefs[-1], lp_mb, mb, m_r.norm, Z).backward()
     _nonfinite(
         "the method's coefficient", torch.cat([c.detach().flatten() for c in coefs]), out, seed
     )  # on float32 log-probs
@@ -253,10 +272,20 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     name = f"    GC: the method's vs the {source}'s (float32 log-probs)"
     old = out.diffs.get(name, (0.0, 0.0))
     out.diffs[name] = (_worse(old[0], d), _worse(old[1], scale))  # shown only: float32 log-probs; a NaN failed above
+    if built.second is not None:  # the second model's loss (PPO's critic) on the same micro-batches
+        _second(built.second(mbs), out, seed)
 
 
-def check_no_policy(cls: type[Method], out: Outcome) -> None:
-    """A method that trains only a model of its own: GC = 0 and an objective constant in the policy."""
+def _second(c: SecondCheck, out: Outcome, seed: int) -> None:
+    out.branches.update(c.branches)
+    out.required |= c.required
+    if not _nonfinite(c.name, c.got, out, seed):
+        _diff(c.name, c.got, c.want, TOL_A, out, seed)
+
+
+def check_no_policy(cls: type[Method], out: Outcome, seeds: tuple[int, ...] = (0, 1)) -> None:
+    """A method that trains only a model of its own: GC = 0 and an objective constant in the policy; and the loss of
+    the model it trains where second.POLICYLESS restates it (the reward model's Bradley-Terry loss)."""
     m, world = make(cls, {}), World(N, torch.Generator().manual_seed(0))
     batch = world.rows(range(N))
     lp = world.logps().requires_grad_(True)
@@ -274,13 +303,17 @@ def check_no_policy(cls: type[Method], out: Outcome) -> None:
         out.errors.append(
             f"{cls.__name__} trains no policy but gives it a coefficient or an objective that depends on it"
         )
+    own = policyless_check(cls)
+    if own is not None:  # the model it does train: its loss, through its own data, steps and normaliser
+        for seed in seeds:
+            _second(own(cls, seed), out, seed)
 
 
 def run_case(cls: type[Method], label: str, settings: dict, seeds: tuple[int, ...] = (0, 1)) -> Outcome:
     """Checks (a) and (b) of one settings case on each seed's batch; branches are counted over the seeds."""
     out = Outcome(label, settings)
     if not getattr(cls, "trains_policy", True):
-        check_no_policy(cls, out)
+        check_no_policy(cls, out, seeds)
         return out
     if family_of(cls) is None:
         raise GcfError(unsupported(cls))
@@ -292,7 +325,7 @@ def run_case(cls: type[Method], label: str, settings: dict, seeds: tuple[int, ..
     kind, why = own_rule(cls)
     out.rule = why if kind in ("coefficient", "objective") else ""
     try:
-        make(cls, {"group_size": G, **settings})
+        make(cls, {"group_size": G, **{k: v for k, v in settings.items() if k != RANKS}})
     except GcfError as e:
         out.refused = str(e)
         return out

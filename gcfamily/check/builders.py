@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from gcfamily.check.second import critic_check
 from gcfamily.check.textbook import (
     PIVOT,
     Textbook,
@@ -21,7 +23,23 @@ from gcfamily.check.textbook import (
     _ppo_textbook,
     _process_textbook,
 )
-from gcfamily.check.world import FAILED, FAR, REWARDS, WARMUP, G, L, N, StubCritic, StubServices, World, make
+from gcfamily.check.world import (
+    FAILED,
+    FAR,
+    REWARDS,
+    WARMUP,
+    Collective,
+    G,
+    L,
+    N,
+    PadOnly,
+    StubCritic,
+    StubServices,
+    TextFormatter,
+    World,
+    make,
+)
+from gcfamily.data.batches import select
 from gcfamily.methods.base import Batch, Method
 
 
@@ -33,6 +51,31 @@ class Built:
     tau: float = 1.0
     """The temperature of the textbook's pi: the sampling temperature (settings' `temperature`) for a family that
     samples, 1 for one that trains on fixed rows."""
+    parts: list[tuple[Method, Batch]] = field(default_factory=list)
+    """Each simulated rank's method and its prepared share of the step's rows; empty: one rank (method, batch)."""
+    second: Callable[[list[Batch]], Any] | None = None
+    """The second model's check (PPO's critic) on the step's micro-batches: second.SecondCheck."""
+
+    def ranks(self) -> list[tuple[Method, Batch]]:
+        return self.parts or [(self.method, self.batch)]
+
+
+def _on_ranks(
+    cls: type[Method],
+    settings: dict,
+    world: World,
+    ranks: int,
+    work: Callable[[Method, StubServices, slice], Batch],
+) -> list[tuple[Method, Batch]]:
+    """work(method, its stub trainer, its rows) for each of `ranks` simulated ranks, each on a thread of its own (a
+    method's all_sum waits for the others); rank r takes the r-th contiguous share of the N rows, whole groups."""
+    coll = Collective(ranks) if ranks > 1 else None
+    ms = [make(cls, {"group_size": G, **settings}) for _ in range(ranks)]
+    stubs = [StubServices(m.cfg, world, m.cfg.temperature, r, coll) for r, m in enumerate(ms)]
+    share = [slice(r * N // ranks, (r + 1) * N // ranks) for r in range(ranks)]
+    jobs = [lambda r=r: work(ms[r], stubs[r], share[r]) for r in range(ranks)]
+    batches = coll.run(jobs) if coll is not None else [jobs[0]()]
+    return list(zip(ms, batches))
 
 
 def _signs(R: list[float], valid: list[bool]) -> list[int]:
@@ -97,28 +140,30 @@ def _place_clip_and_kl(m: Method, world: World, signs: list[int], tb: dict, gen:
 
 
 def build_groups(
-    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int, ranks: int = 1
 ) -> Built:
     """On-policy groups (GRPO and its variants): the method's setup and prepare on 4 prompts x G scored samples,
-    after one warm-up step (prepare, after_step) that sets any running state such as a baseline."""
+    after warm-up steps (prepare, after_step) that carry any running state such as a baseline over several steps;
+    on `ranks` simulated ranks, each with its share of the prompts."""
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(
         m, world, _signs(REWARDS, [i != FAILED for i in range(N)]), tb or {"ratio": cls.ratio_level}, gen
     )
-    m.setup(stub)  # type: ignore[arg-type]
-    warm = torch.tensor(WARMUP)
-    m.prepare(
-        {
-            **world.rows(range(N)),
-            "rewards": warm,
-            "valid": torch.ones(N, dtype=torch.bool),
-            "prompt_index": torch.arange(N) // G,
-        }
-    )
-    m.after_step(1)
+    warm = [torch.tensor(w) for w in WARMUP]
     raw = _scored(world, REWARDS)
-    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, stub, m, tb)), stub.tau)
+
+    def work(m: Method, stub: StubServices, rows: slice) -> Batch:
+        m.setup(stub)  # type: ignore[arg-type]
+        for k, w in enumerate(warm):
+            every = {**world.rows(range(N)), "rewards": w, "valid": torch.ones(N, dtype=torch.bool)}
+            m.prepare(select({**every, "prompt_index": torch.arange(N) // G}, rows))
+            m.after_step(k + 1)
+        return m.prepare(select({k: v.clone() for k, v in raw.items()}, rows))[0]
+
+    parts = _on_ranks(cls, settings, world, ranks, work)
+    tb_stub = StubServices(m.cfg, world, m.cfg.temperature)
+    textbook = None if tb is None else (lambda lp: _groups_textbook(lp, raw, warm, tb_stub, m, tb))
+    return Built(parts[0][0], parts[0][1], textbook, stub.tau, parts if ranks > 1 else [])
 
 
 # steps per output (score of each, in order; an empty list: no step scored) for 4 prompts x G = 4: group 0 mixes
@@ -153,16 +198,25 @@ def build_process(
 
 
 def build_ppo(
-    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
+    cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int, ranks: int = 1
 ) -> Built:
-    """PPO: its prepare (values, token rewards, GAE, whitening) with a stub critic in place of setup's model."""
+    """PPO: its prepare (values, token rewards, GAE, whitening) with a stub critic in place of setup's model, on
+    `ranks` simulated ranks; on one rank, its critic's loss and step too (second.critic_check)."""
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
-    m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
-    m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
     raw = _scored(world, REWARDS)
-    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
-    return Built(m, batch, None if tb is None else (lambda lp: _ppo_textbook(lp, raw, stub, m, tb)), stub.tau)
+
+    def work(m: Method, stub: StubServices, rows: slice) -> Batch:
+        m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
+        m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
+        return m.prepare(select({k: v.clone() for k, v in raw.items()}, rows))[0]
+
+    parts = _on_ranks(cls, settings, world, ranks, work)
+    m, batch = parts[0]
+    tb_stub = StubServices(m.cfg, world, m.cfg.temperature)
+    textbook = None if tb is None else (lambda lp: _ppo_textbook(lp, raw, tb_stub, m, tb))
+    second = None if ranks > 1 else (lambda mbs: critic_check(m, mbs, raw, tb_stub, gen))
+    return Built(m, batch, textbook, stub.tau, parts if ranks > 1 else [], second)
 
 
 def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None, s: Any) -> None:
@@ -178,15 +232,33 @@ def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None,
 def build_pairs(
     cls: type[Method], settings: dict, world: World, gen: torch.Generator, tb: dict | None, seed: int
 ) -> Built:
-    """Offline preference pairs (DPO and its variants): chosen at 2i, rejected at 2i+1, example weight 1/2."""
+    """Offline preference pairs (DPO and its variants) as the method lays them out: World rows 2k (chosen) and 2k+1
+    (rejected) share a prompt and are handed to its own setup as rows of text, its own data() collates the step; the
+    textbook knows each pair by the rows' contents, never by where the method put them."""
     m = make(cls, settings)
     pairs = [(2 * k, 2 * k + 1) for k in range(N // 2)]
+    for w, l in pairs:
+        world.share_prompt(w, l)
     _design_margins(world, pairs, tb, m.settings)
-    batch = {**world.rows(range(N)), "example_weight": torch.full((N,), 0.5)}
     stub = StubServices(m.cfg, world, 1.0)
+    stub.rows = [
+        {
+            "prompt": world.text(w, "prompt"),
+            "chosen": world.text(w, "completion"),
+            "rejected": world.text(l, "completion"),
+        }
+        for w, l in pairs
+    ]
+    stub.formatter, stub.tokenizer = TextFormatter(), PadOnly()
+    object.__setattr__(m.cfg, "batch_size", len(pairs))  # the step holds every pair once
+    stub.policy = stub.reference  # type: ignore[method-assign]  # setup runs before any update: its policy is pi_ref
+    m.setup(stub)  # type: ignore[arg-type]
+    del stub.policy  # the policy again, after the update the check's pi stands for
+    batch, _ = m.data(0)
+    width = batch["input_ids"].shape[1]
+    batch = {k: torch.nn.functional.pad(v, (0, L - width)) if v.ndim == 2 else v for k, v in batch.items()}
+    batch["row_id"] = world.find(batch)
     ref = stub.logprobs(stub.ref, world.rows(range(N))).double()
-    if getattr(cls, "uses_reference", True):
-        batch["ref_logps"] = ref.float()
     return Built(
         m, batch, None if tb is None else (lambda lp: _pairs_textbook(lp, pairs, ref, world, m, tb, Counter()))
     )

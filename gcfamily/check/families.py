@@ -14,8 +14,8 @@ it is checked against what it states itself:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Callable
 
 from gcfamily.check.builders import (
     Built,
@@ -32,7 +32,6 @@ from gcfamily.check.world import CLIP_, DPO_, GRPO_, PPO_, RB_, G, M, _definer, 
 from gcfamily.config import FIELDS
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Method
-
 
 # ----------------------------------------------------------------------------- families and the textbook each knows
 
@@ -68,10 +67,16 @@ TAU = 0.7
 log-probs (whose backward carries the 1/tau), in pi_old and pi_ref, and in the textbook."""
 
 
+RANKS = "simulated_ranks"
+"""A case's key (not a setting; run_case takes it out): the step's rows split over this many simulated ranks, each a
+method of its own whose Services.all_sum sums over them (world.Collective); the gradient is one rank's."""
+
+
 def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
     # k3-importance-weighted where the method takes it (gspo refuses it: its ratio is per sequence), else plain k3
     iw = _accepts(cls, {"beta": beta, "kl_estimator": "k3-importance-weighted"})
+    batch = {"scale_rewards": "batch", "std": "sample"}  # the step's std is a sum over the ranks
     return [
         ("defaults", {}),
         ("clip and KL", {"mu": 2, "beta": beta}),
@@ -121,6 +126,7 @@ def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
                 "norm_constant": 3.0,
             },
         ),
+        ("two simulated ranks, batch std", {RANKS: 2, **(batch if _accepts(cls, batch) else {})}),
     ]
 
 
@@ -188,8 +194,10 @@ FAMILIES: dict[str, Family] = {
                 {"num_minibatches": 2, "kl_estimator": "k2", "kl_clamp": 0.5, "loss_norm": "sequence"},
             ),
             ("k3-iw unclamped", {"mu": 2, "kl_estimator": "k3-importance-weighted", "kl_clamp": None}),
+            ("two simulated ranks (whitening over both)", {RANKS: 2}),
+            ("GAE unwhitened", {"whiten": False, "mu": 2}),
         ],
-        SURROGATE + "; A = whitened GAE on the critic's values",
+        SURROGATE + "; A = GAE on the critic's values, whitened unless whiten=false",
         {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS},
         True,
     ),
@@ -351,7 +359,9 @@ def cases(cls: type[Method]) -> list[tuple[str, dict]]:
     if fam is None:
         raise GcfError(unsupported(cls))
     own = {f.name for f in fields(cls.Settings)}
-    return [(label, {k: v for k, v in s.items() if k in own or k in FIELDS}) for label, s in fam.cases(cls)]
+    return [
+        (label, {k: v for k, v in s.items() if k in own or k in FIELDS or k == RANKS}) for label, s in fam.cases(cls)
+    ]
 
 
 def unsupported(cls: type[Method]) -> str:

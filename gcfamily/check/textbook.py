@@ -132,8 +132,15 @@ class Textbook:
     required: set[str]
 
 
+def _running_baseline(means: list[float], decay: float) -> float:
+    """b after K steps: the bias-corrected exponential moving average of the steps' mean rewards (as Adam's moments),
+    sum_k (1 - d) d^(K-1-k) mean_k / (1 - d^K), written out in closed form."""
+    K = len(means)
+    return sum((1 - decay) * decay ** (K - 1 - k) * x for k, x in enumerate(means)) / (1 - decay**K)
+
+
 def _groups_textbook(
-    lp_all: torch.Tensor, raw: Batch, warm: torch.Tensor, stub: StubServices, m: Method, tb: dict
+    lp_all: torch.Tensor, raw: Batch, warm: list[torch.Tensor], stub: StubServices, m: Method, tb: dict
 ) -> Textbook:
     s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
     lp, R, valid = lp_all[ids], raw["rewards"].double(), raw["valid"].bool()
@@ -142,14 +149,16 @@ def _groups_textbook(
         stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
     )
     br = Counter({"failed rewards": int((~valid).sum())})
-    b = float(warm.double().mean())
+    shifts = torch.zeros(N, dtype=torch.float64)  # what joins each warm-up sample's reward (the KL below)
     in_reward = ref is not None and s.kl_placement == "reward"
     if in_reward:  # -beta * sum_t KL_t at pi_old joins each sample's reward (k1 unless set)
         c = math.inf if s.kl_clamp is None else s.kl_clamp
         name = "k1" if s.kl_estimator == "auto" else s.kl_estimator
         kl = (_kl(name, torch.clamp(ref - old, -c, c), torch.zeros_like(old)) * mask).sum(-1)  # [N]
-        R, b = R - s.beta * kl, float((warm.double() - s.beta * kl).mean())
+        R, shifts = R - s.beta * kl, -s.beta * kl
         br["KL in the reward"] += int(valid.sum())
+    means = [float((w.double() + shifts).mean()) for w in warm]
+    b = _running_baseline(means, s.baseline_decay) if tb["advantage"] == "running baseline" else 0.0
     A, equal = _group_advantages(R, valid, tb, s, b)
     kept = tb["advantage"] == "running baseline"
     rows = valid & ~(equal if s.zero_std == "exclude" and not kept else torch.zeros_like(valid))
@@ -202,18 +211,16 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
 
 
-def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
-    """GAE (Schulman et al. 2016) on the reward at the last token minus beta * KL_t at pi_old (kl_placement=reward),
-    whitened over the step's valid tokens, in the clipped surrogate."""
-    s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
-    lp, valid = lp_all[ids], raw["valid"].bool()
-    old, ref = (
-        stub.logprobs(stub.policy_model, raw, stub.tau).double(),
-        stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
-    )
-    values = (StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask).tolist()
+def _gae(raw: Batch, stub: StubServices, m: Method, br: Counter) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """GAE (Schulman et al. 2016) on the reward at the last token minus beta * KL_t at pi_old (kl_placement=reward):
+    the advantages A [N, L] before whitening, the critic's values V [N, L] they were computed on, and whether the KL
+    joined the reward. returns = A + V."""
+    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
+    valid = raw["valid"].bool()
+    old = stub.logprobs(stub.policy_model, raw, stub.tau).double()
+    ref = stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None
+    values = StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask  # [N, L]
     rwd = torch.zeros(N, L, dtype=torch.float64)
-    br = Counter({"failed rewards": int((~valid).sum())})
     for i in range(N):
         rwd[i, stub.world.positions(int(ids[i]))[-1]] = float(raw["rewards"][i]) if valid[i] else 0.0
     in_reward = ref is not None and s.kl_placement == "reward"
@@ -226,15 +233,23 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
     for i in range(N):
         next_v = next_a = 0.0  # the state after the last token is terminal
         for t in reversed(stub.world.positions(int(ids[i]))):
-            next_a = (
-                float(rwd[i, t])
-                + cfg.settings.gamma * next_v
-                - values[i][t]
-                + cfg.settings.gamma * cfg.settings.lam * next_a
-            )
-            A[i, t], next_v = next_a, values[i][t]
+            next_a = float(rwd[i, t]) + s.gamma * next_v - float(values[i, t]) + s.gamma * s.lam * next_a
+            A[i, t], next_v = next_a, float(values[i, t])
+    return A, values, in_reward
+
+
+def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
+    """GAE advantages (_gae), whitened over the step's valid tokens, in the clipped surrogate."""
+    s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
+    lp, valid = lp_all[ids], raw["valid"].bool()
+    old, ref = (
+        stub.logprobs(stub.policy_model, raw, stub.tau).double(),
+        stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
+    )
+    br = Counter({"failed rewards": int((~valid).sum())})
+    A, _, in_reward = _gae(raw, stub, m, br)
     on = mask.bool() & valid[:, None]
-    if type(m).whiten_advantages:
+    if s.whiten:  # the setting, as the user gave it
         x = A[on]
         A = torch.where(on, (A - x.mean()) / (x.std() + 1e-8), 0.0)
     br["tokens with A > 0"], br["tokens with A < 0"] = int(((A > 0) & on).sum()), int(((A < 0) & on).sum())

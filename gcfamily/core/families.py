@@ -11,6 +11,7 @@ take the plain padded pass; what no pass of the engine can reproduce is refused 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,61 @@ PACKED_FAMILIES = frozenset(
 and `generate` at lengths past their windows (the rollout's CPU attention, `cpu_attention`, is switched on for these only);
 any other family, or a layer type other than these two (Llama 4's chunked attention, linear
 attention, state-space layers), runs the plain padded pass, which lets the model build its own masks."""
+
+EAGER_FAMILIES = frozenset({"gemma3n", "gemma3n_text"})
+"""Model types whose SDPA attention is wrong where eager is exact, run with eager attention: Gemma 3n's SDPA backward
+gives NaN gradients in most parameter tensors on left-padded (rollout-shaped) batches, its log-probs exact
+(tests/test_families.py)."""
+
+RECURRENT_FAMILIES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "jamba",
+        "bamba",
+        "lfm2",
+        "lfm2_moe",
+        "granitemoehybrid",
+        "qwen3_next",
+        "falcon_h1",
+        "minimax",
+        "zamba",
+        "zamba2",
+        "nemotron_h",
+        "rwkv",
+        "xlstm",
+        "recurrent_gemma",
+    }
+)
+"""Model types whose state is not (only) a key-value cache (state-space, recurrent and linear-attention layers): the
+rollout's KV-cache loop cannot hold it, so they sample by recomputing the whole forward each token (`no_kv_cache`)."""
+
+OWN_CACHE_FAMILIES = frozenset({"openai-gpt", "xlm", "dory"})
+"""Attention families whose cache the rollout's loop cannot drive (none, or one of their own; benchmarks/families.py
+measured its KV-cache loop failing on them): they sample by the full forward per token too."""
+
+INEXACT_FAMILIES = frozenset(
+    {
+        "bart",
+        "mbart",
+        "marian",
+        "pegasus",
+        "blenderbot",
+        "blenderbot-small",
+        "plbart",
+        "mvp",
+        "trocr",
+        "bigbird_pegasus",
+        "cpmant",
+        "inkling_text",
+        "recurrent_gemma",
+        "rwkv",
+        "xlstm",
+    }
+)
+"""Model types whose log-probs on padded rows differ from their own forward on each unpadded row (benchmarks/families.py:
+by 8e-3 to 14 nats; the decoders of encoder-decoder families place positions without the padding in mind): refused."""
 
 _HEAD_TRANSFORMS = {"logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
 """Config fields (and their no-op value) of output layers that change the logits after the linear map:
@@ -76,6 +132,16 @@ def attention(config: Any) -> Attention:
             f"The {family} model attends bidirectionally, so it is not a causal LM and its token log-probs "
             f"are not defined; use a causal model."
         )
+    if family in INEXACT_FAMILIES:
+        raise GcfError(
+            f"The {family} model's log-probs on padded rows differ from its own forward on each row (measured by "
+            f"benchmarks/families.py), so they cannot be exact; use another model family."
+        )
+    if getattr(config, "is_decoder", None) is False:  # only configs of models that can be either carry the field
+        raise GcfError(
+            f"The {family} model is set up as an encoder (is_decoder=False) and attends bidirectionally, so its token "
+            f"log-probs are not a causal LM's; use a causal model."
+        )
     n = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -88,17 +154,36 @@ def prepare(model: Any) -> None:
     """Check a loaded causal LM can give exact log-probs (GcfError if not) and set what it needs.
 
     A model that soft-caps its attention logits (Gemma 2, a Gemma 3 with `attn_logit_softcapping`) runs
-    with eager attention, which applies the soft-cap, in the log-prob path and in the rollout alike.
+    with eager attention, which applies the soft-cap, in the log-prob path and in the rollout alike; so does a family
+    of EAGER_FAMILIES (Gemma 3n), whose SDPA gradients are NaN on padded rows.
     """
     config = model.config.get_text_config(decoder=True)
     attention(config)
-    if model.get_decoder() is model:
+    decoder = model.get_decoder()
+    takes = inspect.signature(decoder.forward).parameters if hasattr(decoder, "forward") else {}
+    if decoder is not model and not {"input_ids", "inputs_embeds"} & set(takes):
+        raise GcfError(
+            f"The {type(model).__name__} model's get_decoder() returns a {type(decoder).__name__}, not a backbone that "
+            f"reads tokens, which gcfamily's log-prob path needs; use a causal LM whose get_decoder() returns its backbone."
+        )
+    if decoder is model:
         raise GcfError(
             f"The {type(model).__name__} model has no separate decoder (its get_decoder() returns the whole "
             f"model), which gcfamily's log-prob path needs; use a causal LM whose get_decoder() returns its backbone."
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None and config._attn_implementation != "eager":
+    eager = getattr(config, "attn_logit_softcapping", None) is not None or config.model_type in EAGER_FAMILIES
+    if eager and config._attn_implementation != "eager":
         model.set_attn_implementation("eager")
+
+
+def no_kv_cache(config: Any) -> bool:
+    """Whether the rollout's KV-cache loop cannot sample the model: a state it cannot hold (RECURRENT_FAMILIES, or a
+    layer type other than attention: linear attention, state-space or convolution layers), or a cache of the model's
+    own (OWN_CACHE_FAMILIES). Such a model samples by the full forward per token (gcfamily/rollout/recompute.py)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(config, "layer_types", None) or [])
+    family = getattr(config, "model_type", "")
+    return family in RECURRENT_FAMILIES | OWN_CACHE_FAMILIES or not kinds <= {FULL, SLIDING}
 
 
 def layer_masks(

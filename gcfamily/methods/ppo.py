@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -161,8 +161,6 @@ class PPO(ClippedOnPolicy):
     gc_formula = "r_t * A_t * 1[not clipped] (+ beta * (pi_ref/pi - 1) unless kl_placement=reward),  A_t = GAE(gamma, lam) on a learned value model"
     default_norm = "token"
     metric_prefix = "ppo"
-    whiten_advantages: ClassVar[bool] = True
-    """Whiten the GAE advantages over the step's valid tokens (a subclass may switch it off)."""
 
     @dataclass
     class Settings(ClippedOnPolicy.Settings):
@@ -174,6 +172,8 @@ class PPO(ClippedOnPolicy):
         """Weight of the critic's loss."""
         value_clip: float = 0.2
         """Clip range of the value loss (0 turns the value clip off)."""
+        whiten: bool = True
+        """Whiten the GAE advantages over the step's valid tokens (mean 0, std 1, across every rank)."""
         critic_lr: float = 1e-5
         """Learning rate of the critic."""
         critic_model: Optional[str] = None
@@ -237,7 +237,7 @@ class PPO(ClippedOnPolicy):
             batch["token_rewards"], batch["values"], mask, self.settings.gamma, self.settings.lam
         )
         batch["advantages"] = (
-            whiten(adv, valid, self.services.all_sum) if self.whiten_advantages else adv * valid
+            whiten(adv, valid, self.services.all_sum) if self.settings.whiten else adv * valid
         )  # [N, L]
         n = max(float(valid.sum()), 1.0)
         stats = {

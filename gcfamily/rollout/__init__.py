@@ -19,7 +19,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from gcfamily.core.memory import release_free_heap
-from gcfamily.rollout import decode
+from gcfamily.core import families
+from gcfamily.rollout import decode, recompute
 from gcfamily.core.cpu_attention import rollout_attention
 from gcfamily.errors import GcfError
 from gcfamily.core.onednn import packed_linears
@@ -202,6 +203,13 @@ def generate(
             f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more)."
         )
     prompt, prompt_mask = _left_pad(prompt_ids, pad_id, device)  # [n, P]
+    if families.no_kv_cache(model.config):  # a state the KV cache cannot hold: a full forward per token, exact
+        stops = settings.stop_strings
+        hit = (lambda tok, rows, t: _has_stop(tokenizer, tok, rows, t, stops)) if stops else None
+        out = recompute.decode(model, prompt_ids, num_samples, settings, generator, eos, pad_id, hit)
+        if stops:
+            _cut_at_stops(tokenizer, out[0], out[2], out[3], stops)
+        return _assemble(tokenizer, prompt, prompt_mask, num_samples, *out, pad_id, stops)
     static = decode.wanted(model, settings.compile)
     if static:
         try:
