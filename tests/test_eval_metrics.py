@@ -199,3 +199,30 @@ def test_dpo_variants_log_their_own_held_out_loss(tmp_path, method):
     )
     (row,) = [r for r in metrics_rows(out) if "eval/loss" in r]
     assert row["eval/loss"] > 0 and {"eval/margin", "eval/ranking_accuracy"} <= set(row)
+
+
+def test_the_summary_gives_the_held_out_change_with_counts_and_a_paired_interval(tmp_path):
+    """accuracy_change pairs step 0 with the last evaluation prompt by prompt; the interval is a paired bootstrap,
+    checked here against a hand count and against an independent normal-approximation width."""
+    import json
+    import math
+
+    from gcfamily.run.card import summary
+    from gcfamily.run.evaluate import accuracy_change
+
+    n = 200
+    before = [i % 5 < 2 for i in range(n)]  # 80 right
+    after = [b or i % 5 == 2 for i, b in enumerate(before)]  # 40 more right, none lost: 120
+    rows = lambda got: [{"index": i, "prompt": f"p{i}", "correct": c} for i, c in enumerate(got)]  # noqa: E731
+    lines = [{"step": 0, "rows": rows(before)}, {"step": 5, "rows": rows(before)}, {"step": 10, "rows": rows(after)}]
+    (tmp_path / "eval_details.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = accuracy_change(tmp_path / "eval_details.jsonl")
+    assert (got["n"], got["before"], got["after"], got["step"]) == (200, 80, 120, 10)
+    assert abs(got["diff"] - 0.2) < 1e-12 and got["lo"] < 0.2 < got["hi"]
+    half = 1.96 * math.sqrt(0.2 * 0.8 / n)  # d_i is 1 on 40 prompts, 0 elsewhere: sd of d = sqrt(p(1-p))
+    assert abs((got["hi"] - got["lo"]) / 2 - half) < 0.01
+    text = summary([{"step": 0, "eval/accuracy": 0.4}, {"step": 10, "eval/accuracy": 0.6}], 10, 60.0, tmp_path, False)
+    assert "held-out accuracy 0.400 (80/200) -> 0.600 (120/200) at step 10: +0.200, 95% interval [+0." in text
+    assert "eval/accuracy" not in text  # said once, with counts
+    (tmp_path / "eval_details.jsonl").write_text(json.dumps(lines[0]) + "\n")  # no evaluation after training
+    assert accuracy_change(tmp_path / "eval_details.jsonl") is None

@@ -23,6 +23,7 @@ import yaml
 from gcfamily.models import HUB_ALIASES, OFFLINE_ALIASES
 from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
 from gcfamily.rewards.verifiable import REWARDS
+from gcfamily.run.evaluate import accuracy_change
 from gcfamily.run.writes import write_atomic
 
 # the settings a reader wants even when the defaults were kept
@@ -109,7 +110,17 @@ def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, fina
     """A few lines for the end of `gcf run`: steps and time, held-out and reward change, last loss, the model."""
     rows = _rows(metrics)
     lines = [f"done: {steps} step{'' if steps == 1 else 's'} in {_duration(seconds)}"]
+    change = accuracy_change(Path(out_dir) / "eval_details.jsonl")
+    if change is not None:
+        n, b, a = change["n"], change["before"], change["after"]
+        lines.append(
+            f"  held-out accuracy {b / n:.3f} ({b}/{n}) -> {a / n:.3f} ({a}/{n}) at step {change['step']}: "
+            f"{change['diff']:+.3f}, 95% interval [{change['lo']:+.3f}, {change['hi']:+.3f}] "
+            "(paired bootstrap over the same prompts)"
+        )
     for key in _eval_keys(rows):
+        if change is not None and key == "eval/accuracy":
+            continue  # said above, with its counts and interval
         seen = _seen(rows, key)
         if len(seen) >= 2 and seen[0][0] != seen[-1][0]:
             (s0, v0), (s1, v1) = seen[0], seen[-1]

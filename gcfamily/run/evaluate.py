@@ -278,3 +278,52 @@ def sampled_pass_at_k(
 ) -> dict[int, float]:
     """pass@j for j = 1..k from k sampled completions per prompt: `sampled_eval`'s pass_at_k."""
     return sampled_eval(model, formatter, rows, reward, k, temperature, max_new_tokens, seed, batch_prompts).pass_at_k
+
+
+def accuracy_change(details_path: Any, confidence: float = 0.95) -> dict[str, Any] | None:
+    """Held-out accuracy before training and after it, on the same prompts, from a run's eval_details.jsonl: the
+    evaluation at step 0 against the last one, paired by (index, prompt) where both recorded a verdict (`correct`).
+
+    {"n", "before", "after" (counts right), "diff" (after - before, as a share), "lo", "hi" (the paired bootstrap
+    interval of diff over prompts, gcfamily/core/stats.py), "step"}; None without both evaluations.
+    """
+    import json
+    from pathlib import Path
+
+    from gcfamily.core.stats import paired_bootstrap
+
+    path = Path(details_path)
+    if not path.is_file():
+        return None
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("rows"), list):
+            records.append(rec)
+    first = next((r for r in records if r.get("step") == 0), None)
+    later = [r for r in records if isinstance(r.get("step"), int) and r["step"] > 0]
+    if first is None or not later:
+        return None
+    last = max(later, key=lambda r: r["step"])
+
+    def verdicts(rec: dict[str, Any]) -> dict[tuple[Any, Any], bool]:
+        return {(r.get("index"), r.get("prompt")): bool(r["correct"]) for r in rec["rows"] if "correct" in r}
+
+    a, b = verdicts(last), verdicts(first)
+    keys = sorted(set(a) & set(b), key=lambda k: (str(k[0]), str(k[1])))
+    if not keys:
+        return None
+    after, before = [float(a[k]) for k in keys], [float(b[k]) for k in keys]
+    boot = paired_bootstrap(after, before, confidence=confidence)
+    return {
+        "n": len(keys),
+        "before": int(sum(before)),
+        "after": int(sum(after)),
+        "diff": boot["diff"],
+        "lo": boot["lo"],
+        "hi": boot["hi"],
+        "step": last["step"],
+    }
