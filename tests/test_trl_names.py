@@ -210,4 +210,6 @@ def test_the_console_says_an_evaluation_runs_and_where_the_curves_are(gcf, tmp_p
     assert "evaluating at step 0 on up to 2 held-out examples..." in stderr
     assert "evaluated at step 1 in" in stderr and "eval/accuracy" in stderr
     assert f"metrics: {out / 'metrics.jsonl'}" in stdout
-    assert f"curves: tensorboard --logdir {out / 'tensorboard'}" in stdout
+    assert f"tensorboard: tensorboard --logdir {out / 'tensorboard'}" in stdout
+    assert f"curves: {out / 'curves.png'}" in stdout
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # an image, whole

@@ -130,6 +130,9 @@ class Saving:
             path = self.out_dir / "README.md"
             cause = e.cause if isinstance(e, WriteFailed) else e
             raise WriteFailed(path, cause, run_dir=self.out_dir, what=f"the model card {path}") from None
+        from gcfamily.run.curves import write_curves
+
+        write_curves(self.out_dir, rows)  # curves.png; a failed write raises WriteFailed naming what is kept
 
     def summary(self, step: int, seconds: float) -> str:
         """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""

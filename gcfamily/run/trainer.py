@@ -34,6 +34,7 @@ from gcfamily.run.folder import RunFolder, apply_changed_settings
 from gcfamily.run.logger import RunLogger
 from gcfamily.run.saving import Saving
 from gcfamily.run.services import RunServices
+from gcfamily.run.writes import resume_hint
 
 _HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
 
@@ -297,14 +298,16 @@ class Trainer:
         return "\n".join([text, *self.curves()])
 
     def curves(self) -> list[str]:
-        """Where this run's metrics are: metrics.jsonl, and the TensorBoard command when it logged events."""
+        """Where this run's metrics are: curves.png, metrics.jsonl, and the TensorBoard command when it logged events."""
         import shlex
 
         lines = []
+        if (self.out_dir / "curves.png").is_file():
+            lines.append(f"  curves: {self.out_dir / 'curves.png'}")
         if (self.out_dir / "metrics.jsonl").is_file():
             lines.append(f"  metrics: {self.out_dir / 'metrics.jsonl'}")
         if (self.out_dir / "tensorboard").is_dir():
-            lines.append(f"  curves: tensorboard --logdir {shlex.quote(str(self.out_dir / 'tensorboard'))}")
+            lines.append(f"  tensorboard: tensorboard --logdir {shlex.quote(str(self.out_dir / 'tensorboard'))}")
         return lines
 
     # ------------------------------------------------------------------ what a checkpoint holds
@@ -580,10 +583,10 @@ class Trainer:
         self.save_checkpoint()
         try:
             self.saving.save_final(self.unwrapped_policy(), self.tokenizer, self.method, self)
-        except (OSError, RuntimeError) as e:  # a full disk, a folder that went away
+        except (OSError, RuntimeError) as e:  # a folder that went away (a full disk is WriteFailed, said already)
             raise GcfError(
-                f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); the checkpoint of "
-                f"step {self.step} is intact: free some space and run the same command with --resume to write the model."
+                f"Could not write the final model to {self.out_dir} ({str(e).strip().splitlines()[-1][:160]}); "
+                f"{resume_hint(self.out_dir)}."
             ) from e
         self.saving.final_saved = True
         if self.is_main:

@@ -61,6 +61,7 @@ RUN_FILES = (
     "wandb",
     "checkpoints",
     "README.md",
+    "curves.png",
     "config.json",
     "generation_config.json",
     "model.safetensors",
