@@ -3,7 +3,7 @@ backward gives NaN gradients on left-padded rows), and state-space / hybrid fami
 forward each token (a KV cache cannot hold their state; `rollout.generate` ended in a raw transformers error on them).
 
 `tiny` builds any causal-LM family of the installed transformers from its config class at tiny sizes (SIZES, where the
-config has the field, and OVERRIDES per family); benchmarks/families.py runs every family through the same checks.
+config has the field, and OVERRIDES per family); benchmarks/families_table.py runs every family through the same checks.
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ SIZES: dict[str, Any] = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
+    kv_lora_rank=16,  # multi-head latent attention (DeepSeek-V2 and after): its head sizes are fields of their own
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    index_head_dim=8,
+    n_group=1,  # expert groups: a tiny model's 4 experts make one
+    topk_group=1,
+    unpadded_vocab_size=V,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=8,
     pad_token_id=PAD,
     eos_token_id=1,
     bos_token_id=2,
@@ -69,6 +81,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # hybrid, as shipped
     "minimax": dict(layer_types=["linear_attention", "full_attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # hybrid
+    # rotary width is its own field here (64 by default, past the tiny head_dim of 8)
+    "codegen": dict(rotary_dim=4),
+    "gptj": dict(rotary_dim=4),
 }
 RECURRENT = ["mamba", "jamba", "bamba", "lfm2", "granitemoehybrid", "qwen3_next", "falcon_h1", "minimax"]
 
@@ -80,7 +95,10 @@ def tiny(model_type: str) -> Any:
 
     cfg_cls = CONFIG_MAPPING[model_type]
     defaults = cfg_cls()
-    config = cfg_cls(**{**{k: v for k, v in SIZES.items() if hasattr(defaults, k)}, **OVERRIDES.get(model_type, {})})
+    sizes = {k: v for k, v in SIZES.items() if hasattr(defaults, k)}
+    if hasattr(defaults, "kv_lora_rank"):  # latent attention: one key and value head per query head
+        sizes["num_key_value_heads"] = SIZES["num_attention_heads"]
+    config = cfg_cls(**{**sizes, **OVERRIDES.get(model_type, {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()

@@ -72,7 +72,7 @@ RECURRENT_FAMILIES = frozenset(
 rollout's KV-cache loop cannot hold it, so they sample by recomputing the whole forward each token (`no_kv_cache`)."""
 
 OWN_CACHE_FAMILIES = frozenset({"openai-gpt", "xlm", "dory"})
-"""Attention families whose cache the rollout's loop cannot drive (none, or one of their own; benchmarks/families.py
+"""Attention families whose cache the rollout's loop cannot drive (none, or one of their own; benchmarks/families_table.py
 measured its KV-cache loop failing on them): they sample by the full forward per token too."""
 
 INEXACT_FAMILIES = frozenset(
@@ -94,7 +94,7 @@ INEXACT_FAMILIES = frozenset(
         "xlstm",
     }
 )
-"""Model types whose log-probs on padded rows differ from their own forward on each unpadded row (benchmarks/families.py:
+"""Model types whose log-probs on padded rows differ from their own forward on each unpadded row (benchmarks/families_table.py:
 by 8e-3 to 14 nats; the decoders of encoder-decoder families place positions without the padding in mind): refused."""
 
 _HEAD_TRANSFORMS = {"logits_scaling": 1.0, "logit_scale": 1.0, "lm_head_multiplier": 1.0}
@@ -127,7 +127,11 @@ def attention(config: Any) -> Attention:
                 f"The {family} model sets {field}={value}, which changes its logits after the output layer "
                 f"and which gcfamily's log-probs do not apply, so they cannot be exact; use a model without it."
             )
-    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+    if (
+        getattr(config, "use_bidirectional_attention", False)
+        or not getattr(config, "is_causal", True)
+        or getattr(config, "causal", True) is False  # XLM's language models are bidirectional unless causal=True
+    ):
         raise GcfError(
             f"The {family} model attends bidirectionally, so it is not a causal LM and its token log-probs "
             f"are not defined; use a causal model."
@@ -135,7 +139,7 @@ def attention(config: Any) -> Attention:
     if family in INEXACT_FAMILIES:
         raise GcfError(
             f"The {family} model's log-probs on padded rows differ from its own forward on each row (measured by "
-            f"benchmarks/families.py), so they cannot be exact; use another model family."
+            f"benchmarks/families_table.py), so they cannot be exact; use another model family."
         )
     if getattr(config, "is_decoder", None) is False:  # only configs of models that can be either carry the field
         raise GcfError(
