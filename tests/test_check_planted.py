@@ -192,3 +192,27 @@ def test_a_reward_model_step_divided_by_rows_is_caught(monkeypatch: pytest.Monke
         return out
 
     _caught("reward-model", "defaults", monkeypatch, (RewardModelTraining, "auxiliary_step", by_rows))
+
+
+# ----------------------------------------------------------------------------- the engine and the class's flags
+
+
+def test_a_soft_cap_backward_without_its_derivative_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2's final-logit soft-cap c * tanh(z / c): a backward that drops its derivative 1 - tanh^2 fails (b)'s pass
+    through the cap, which every case runs (before it only tests/test_families.py's Gemma 2 rows caught this)."""
+    real = engine._chunk_logits
+
+    def no_derivative(*args, **kwargs):
+        logits, dcap = real(*args, **kwargs)
+        return logits, (None if dcap is None else torch.ones_like(dcap))
+
+    text = _caught("sft", "defaults", monkeypatch, (engine, "_chunk_logits", no_derivative))
+    assert "FAILED (b) the same through a final-logit soft-cap (Gemma 2) vs autograd" in text
+
+
+def test_ppo_whitening_switched_off_in_the_code_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whitening is the `whiten` setting, which the textbook reads from the settings: advantages left raw by the code
+    while whiten=true fail, and whiten=false is its own case that passes."""
+    _caught("ppo", "defaults", monkeypatch, (ppo, "whiten", lambda x, mask, all_sum=None: x * mask))
+    monkeypatch.undo()
+    assert _run("ppo", "GAE unwhitened").ok

@@ -114,13 +114,17 @@ class Outcome:
         return not self.failures and not self.missing and not self.refused and not self.rule
 
 
-def _engine_logps(X: torch.Tensor, mb: Batch, tau: float) -> torch.Tensor:
+SOFTCAP = 2.0
+"""The final-logit soft-cap of (b)'s second pass: small enough that tanh bends the check's logits."""
+
+
+def _engine_logps(X: torch.Tensor, mb: Batch, tau: float, softcap: float | None = None) -> torch.Tensor:
     """The micro-batch's log-probs through the engine's chunked output layer; the hidden states are the logits
-    (identity weight), so d loss / d X is d loss / d logits."""
+    (identity weight), so d loss / d X is d loss / d logits (with `softcap`, the pre-cap logits)."""
     mask = mb["loss_mask"].bool()
     h = X[mb["row_id"]][mask]  # [tokens, V]
     lp, _ = engine._ChunkedTokenLogprob.apply(
-        h, torch.eye(V, dtype=X.dtype), None, mb["input_ids"][mask], float(tau), 5, False, None, None
+        h, torch.eye(V, dtype=X.dtype), None, mb["input_ids"][mask], float(tau), 5, False, None, softcap
     )
     return torch.zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp)  # [b, L]
 
@@ -266,6 +270,21 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     closed = torch.zeros_like(world.logits).index_add_(0, ids, -(gc * w / Z)[..., None] * (onehot - soft) / tau)
     source = "textbook" if built.textbook is not None and out.textbook else "own objective"
     _diff(f"(b) d loss/d logits vs {source} GC * w/Z * (onehot - softmax)", X.grad.double(), closed, TOL_B, out, seed)
+    # the same backward through a final-logit soft-cap c * tanh(z / c) (Gemma 2), against autograd of that formula
+    Xc = world.logits.float().requires_grad_(True)
+    Xr = world.logits.double().requires_grad_(True)
+    k = 0
+    for m_r, mbs_r in parts:
+        for mb in mbs_r:
+            c_mb, w_mb = coefs[k].detach(), engine.token_weights(mb, m_r.norm)
+            k += 1
+            (-(c_mb * w_mb * _engine_logps(Xc, mb, tau_m, SOFTCAP)).sum() / Z).backward()
+            capped = SOFTCAP * torch.tanh(Xr[mb["row_id"]] / SOFTCAP) / tau_m  # [b, L, V]
+            lp_ref = torch.log_softmax(capped, -1).gather(-1, mb["input_ids"][..., None])[..., 0] * mb["loss_mask"]
+            (-(c_mb.double() * w_mb * lp_ref).sum() / Z).backward()
+    _diff(
+        "(b) the same through a final-logit soft-cap (Gemma 2) vs autograd", Xc.grad.double(), Xr.grad, TOL_B, out, seed
+    )
     coef = torch.cat([c.double() * mb["loss_mask"] for c, mb in zip(coefs, mbs)])
     scale = float(gc[on].abs().max()) if on.any() else 0.0
     d = float((coef - gc)[on].abs().max()) if on.any() else 0.0
