@@ -58,7 +58,15 @@ def lora_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     tr = Trainer(
         Config(
-            method="sft", model="tiny", output_dir=str(out), max_steps=2, lr=1e-2, lora_r=4, lora_alpha=8.0, save_every=2, **FAST
+            method="sft",
+            model="tiny",
+            output_dir=str(out),
+            max_steps=2,
+            lr=1e-2,
+            lora_r=4,
+            lora_alpha=8.0,
+            save_every=2,
+            **FAST,
         )
     )
     tr.run()

@@ -324,7 +324,6 @@ def _fail_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, wa
     return where, said
 
 
-
 def test_a_full_disk_at_every_write_ends_in_one_sentence_and_the_run_resumes(writes, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # the resumes too: 80 runs, and durability is not tested here
     problems = []
