@@ -329,7 +329,8 @@ def test_a_full_disk_at_every_write_ends_in_one_sentence_and_the_run_resumes(wri
     problems = []
     for n, want in enumerate(writes, 1):
         try:
-            _fail_and_resume(tmp_path, monkeypatch, n, want)
+            where, said = _fail_and_resume(tmp_path, monkeypatch, n, want)
+            print(f"write {n:2d} {where}: {said}")  # the table of the closing note (pytest -s)
         except AssertionError as e:
             problems.append(f"write {n} ({want}): {str(e).splitlines()[0]}")
     assert not problems, "\n".join(problems)
