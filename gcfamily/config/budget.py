@@ -22,4 +22,4 @@ def planned_steps(cfg: Any, n: int | None) -> int:
         )
     # the decimal the user wrote, exactly: 0.1 * 30 / 3 is 1 step, where float arithmetic gives 1.0000000000000002
     by_epochs = math.ceil(Fraction(repr(float(cfg.epochs))) * n / cfg.batch_size)
-    return max(1, min(cfg.max_steps, by_epochs) if "max_steps" in cfg.explicit else by_epochs)
+    return min(cfg.max_steps, by_epochs) if "max_steps" in cfg.explicit else by_epochs
