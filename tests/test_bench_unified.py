@@ -25,22 +25,41 @@ def test_quick_unified_suite_end_to_end(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     data = json.loads((out / "bench.json").read_text())
     runs = data["results"]
-    assert set(runs) == {STAGE, *UNIFIED["quick"]["methods"]}
+    methods = UNIFIED["quick"]["methods"]
+    assert set(runs) == {STAGE, *(f"{m}/seed-0" for m in methods)}
     assert all(x["returncode"] == 0 and x["steps"] > 0 for x in runs.values())
     pi_sft = str((out / STAGE).resolve())
-    assert all(
-        data["settings"][m]["model"] == pi_sft for m in UNIFIED["quick"]["methods"]
-    )  # stage 2 starts from pi_sft
-    assert data["settings"]["dpo"]["pairs"] == "own-samples" and (out / "dpo" / "pools" / "dpo-pairs.jsonl").is_file()
-    assert (out / "rft-offline" / "pools" / "rft-offline.jsonl").is_file()
+    assert all(data["settings"][f"{m}/seed-0"]["model"] == pi_sft for m in methods)  # stage 2 starts from pi_sft
+    assert (
+        data["settings"]["dpo/seed-0"]["pairs"] == "own-samples"
+        and (out / "dpo/seed-0" / "pools" / "dpo-pairs.jsonl").is_file()
+    )
+    assert (out / "rft-offline/seed-0" / "pools" / "rft-offline.jsonl").is_file()
     # the same prompts a step for every method of stage 2, the same steps: the same prompts seen
     assert len({x["prompts_seen"] for k, x in runs.items() if k != STAGE}) == 1
+    # pi_sft's final evaluation is every stage-2 run's first (copied, not recomputed), and every run's last evaluation is
+    # its only one at its last step; Maj@K and Pass@K take the suite's K
+    from gcfamily.run.logger import read_metrics
+
+    stage_evals = [r for r in read_metrics(out / STAGE) if "eval/accuracy" in r]
+    assert [r["step"] for r in stage_evals] == [0, runs[STAGE]["steps"]]
+    for m in (f"{m}/seed-0" for m in methods):
+        child = json.loads((out / m / "bench_child.json").read_text())
+        assert (
+            child["start_eval_from"] == str(out / STAGE)
+            and child["sampled_k"] == UNIFIED["quick"]["measure"]["sample_k"]
+        )
+        assert runs[m]["accuracy_before"] == runs[STAGE]["accuracy_after"]
+        first = next(json.loads(x) for x in (out / m / "eval_details.jsonl").read_text().splitlines() if x.strip())
+        last = [json.loads(x) for x in (out / STAGE / "eval_details.jsonl").read_text().splitlines() if x.strip()][-1]
+        assert first == {**last, "step": 0}
     md = (out / "bench.md").read_text()
     assert "## Findings" in md and md.count("| (") == len(FINDINGS)
     assert [f["finding"] for f in data["findings"]] == [f[0] for f in FINDINGS]
     # the same command again keeps every finished run
     again = _gcf("bench", "--suite", "unified", "--quick", "--output-dir", str(out), cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.count("kept the finished run") == len(runs)
+    assert "Wall time: stage 1 (pi_sft)" in (out / "bench.md").read_text()
 
 
 def test_verdicts() -> None:

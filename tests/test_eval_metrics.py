@@ -226,3 +226,19 @@ def test_the_summary_gives_the_held_out_change_with_counts_and_a_paired_interval
     assert "eval/accuracy" not in text  # said once, with counts
     (tmp_path / "eval_details.jsonl").write_text(json.dumps(lines[0]) + "\n")  # no evaluation after training
     assert accuracy_change(tmp_path / "eval_details.jsonl") is None
+
+
+def test_the_last_step_is_evaluated_once_when_eval_every_lands_on_it(tmp_path):
+    """eval_every landing on the last step is the evaluation after training: eval_at_ends adds no second one (each
+    evaluation of the same weights is the same greedy decoding, so a second one is only time)."""
+    for every, want in ((2, [0, 2, 4]), (3, [0, 3, 4])):
+        out = tmp_path / f"e{every}"
+        gcf.train(
+            "sft",
+            **{**SMALL, "max_steps": 4, "eval_every": every},
+            dataset=_demos(8),
+            eval_dataset=_demos(4),
+            output_dir=out,
+        )
+        got = [r["step"] for r in metrics_rows(out) if any(k.startswith("eval/") for k in r)]
+        assert got == want

@@ -140,24 +140,23 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     return float((torch.expm1(d) - d).mean()) if d.numel() else None
 
 
-def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
+def reuse_start_evaluation(trainer: Any, source: Path, last: bool = False) -> bool:
     """Take the evaluation before the first step from `source`, a run of the same suite that starts from the same policy and
     evaluates the same prompts the same way (the parent's `start_key`), instead of computing it again: greedy decoding
-    of the same model on the same prompts gives the same answers. False (and the run evaluates itself) when source has none."""
+    of the same model on the same prompts gives the same answers. With `last`, source is the run that trained this run's
+    starting model (the unified suite's stage 1) and its final evaluation is the one taken, as step 0. False (and the run
+    evaluates itself) when source has none."""
     from gcfamily.run.logger import read_metrics
 
     try:
-        figures = next(
-            {k: v for k, v in r.items() if k.startswith("eval/")}
-            for r in read_metrics(source)
-            if r.get("step") == 0 and any(k.startswith("eval/") for k in r)
-        )
-        details = next(
-            line
-            for line in (source / "eval_details.jsonl").read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] == 0
-        )
-    except (OSError, ValueError, StopIteration):
+        rows = [r for r in read_metrics(source) if any(k.startswith("eval/") for k in r)]
+        step = rows[-1]["step"] if last else 0
+        figures = next({k: v for k, v in r.items() if k.startswith("eval/")} for r in rows if r.get("step") == step)
+        lines = [ln for ln in (source / "eval_details.jsonl").read_text().splitlines() if ln.strip()]
+        details = next(ln for ln in reversed(lines) if json.loads(ln)["step"] == step)
+        if step != 0:
+            details = json.dumps({**json.loads(details), "step": 0})
+    except (OSError, ValueError, KeyError, IndexError, StopIteration):
         return False
     own = trainer.evaluate
 
@@ -174,20 +173,22 @@ def reuse_start_evaluation(trainer: Any, source: Path) -> bool:
     return True
 
 
-def _measure(trainer: Any, cfg: Any) -> dict[str, Any]:
-    """The finished run's KL to the reference, pass@k and maj@k on (up to) 64 held-out prompts, with their times.
+def _measure(trainer: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The finished run's KL to the reference (on kl_prompts held-out prompts, 64 unless the spec says), pass@k and maj@k
+    (k = sample_k, else group_size, samples on each of sample_prompts held-out prompts, 64 unless the spec says), with
+    their times.
 
     maj@k is recorded as None where the run has no answer function (its own data scored by reward functions, or a task
     without `answer`)."""
     t1 = time.perf_counter()
-    out: dict[str, Any] = {"kl_ref": kl_to_reference(trainer, min(cfg.eval_samples, 64))}
+    out: dict[str, Any] = {"kl_ref": kl_to_reference(trainer, min(cfg.eval_samples, int(spec.get("kl_prompts", 64))))}
     out["kl_s"] = time.perf_counter() - t1
-    rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, 64))
+    rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, int(spec.get("sample_prompts", 64))))
     if rows:  # pass@k and maj@k beside greedy accuracy: k samples per held-out prompt
         from gcfamily.run.evaluate import sampled_eval, task_answer
 
         t2 = time.perf_counter()
-        k = max(cfg.group_size, 1)
+        k = int(spec.get("sample_k") or max(cfg.group_size, 1))
         sampled = sampled_eval(
             trainer.unwrapped_policy(),
             trainer.formatter,
@@ -223,12 +224,16 @@ def child(spec_path: str) -> None:
         cfg.threads = torch.get_num_threads()
     trainer = Trainer(cfg)
     recorder = GCRecorder(trainer)
-    reused = reuse_start_evaluation(trainer, Path(spec["start_eval_from"])) if spec.get("start_eval_from") else False
+    reused = (
+        reuse_start_evaluation(trainer, Path(spec["start_eval_from"]), bool(spec.get("start_eval_last")))
+        if spec.get("start_eval_from")
+        else False
+    )
     t0 = time.perf_counter()
     trainer.run()
     run_s = time.perf_counter() - t0
     with onednn.packing(cfg.rollout_pack_weights):  # the run's setting for the rollouts below too
-        extra = _measure(trainer, cfg)
+        extra = _measure(trainer, cfg, spec)
     extra.update(
         {
             "gc": recorder.summary(),

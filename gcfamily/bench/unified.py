@@ -44,28 +44,35 @@ def length_parity(completions: list, **kw: Any) -> list[float]:
 
 
 UNIFIED: dict[str, dict[str, Any]] = {
+    # Sized so that one seed (stage 1 and the seven methods) fits in an hour on a 2-core CPU and three seeds in about two
+    # (docs/bench/unified/README.md has the measured times). Stage 2 trains every method for the same 12 steps of 4
+    # prompts (48 prompts seen), G=4 samples a prompt for the methods that sample, no KL term (beta 0: the run is short
+    # and a reference forward would cost a third of each step); each run is evaluated at its start (pi_sft's final
+    # evaluation, copied), its middle and its end (greedy, 100 held-out prompts), then Maj@8 and Pass@8 on 32 of them (and
+    # the KL to pi_sft on 16).
     "default": {
         "model": "smollm2-135m",
         "task": "chained",
-        "steps": 20,  # stage 2: steps per method, batch_size prompts each
-        "sft_stage": {"max_steps": 100, "batch_size": 8, "micro_batch_size": 8, "lr": 2e-5},
-        "common": {  # group_size is also k of Maj@K and Pass@K, for pi_sft and every method alike
+        "steps": 12,  # stage 2: steps per method, batch_size prompts each
+        "sft_stage": {"max_steps": 100, "batch_size": 8, "micro_batch_size": 8, "lr": 2e-5, "eval_every": 25},
+        "common": {
             "batch_size": 4,
-            "group_size": 8,
-            "eval_samples": 200,
+            "group_size": 4,
+            "eval_samples": 100,
             "max_new_tokens": 48,
             "max_length": 256,
             "temperature": 1.0,
-            "eval_every": 10,
+            "eval_every": 6,
         },
+        "measure": {"sample_k": 8, "sample_prompts": 32, "kl_prompts": 16},  # Maj@K and Pass@K: K samples a prompt
         "methods": {
             "sft": {"micro_batch_size": 8, "lr": 1e-5},
             "rft-offline": {**_ONPOLICY, "lr": 1e-5},
             "rft": {**_ONPOLICY, "lr": 1e-5},
             "dpo": {"pairs": "own-samples", "micro_batch_size": 16, "lr": 1e-6, "beta": 0.1},
-            "ppo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04, "critic_lr": 1e-5},
-            "grpo": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04},
-            "grpo-ps": {**_ONPOLICY, "lr": 3e-6, "beta": 0.04},
+            "ppo": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0, "critic_lr": 1e-5},
+            "grpo": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0},
+            "grpo-ps": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0},
         },
     },
     "quick": {
@@ -82,6 +89,7 @@ UNIFIED: dict[str, dict[str, Any]] = {
             "temperature": 1.0,
             "eval_every": 0,
         },
+        "measure": {"sample_k": 4, "sample_prompts": 8, "kl_prompts": 8},
         # the random tiny model never answers a chained problem, so its rewards would all be 0 (no DPO pair, no advantage):
         # the quick suite, a test of the pipeline, scores the samples of stage 2 by the parity of their length instead
         "methods": {
@@ -95,6 +103,18 @@ UNIFIED: dict[str, dict[str, Any]] = {
         },
     },
 }
+# what pi_sft's final greedy evaluation depends on besides the model: a stage-2 run with the same values takes it as its own
+# evaluation before the first step (the same greedy decoding of the same weights on the same prompts)
+EVAL_KEYS = (
+    "task",
+    "task_seed",
+    "eval_samples",
+    "max_new_tokens",
+    "max_length",
+    "dtype",
+    "system_prompt",
+    "chat_template",
+)
 STAGE = "sft-stage"
 FINDINGS = (
     ("(1) Online RFT beats RFT (online sampling beats offline)", "rft", "rft-offline", "accuracy"),
@@ -151,10 +171,11 @@ def plans_of(
     stage = _with_sets(stage, STAGE, sets)
     validate(resolve(None, stage))
     pi_sft = str((out / STAGE).resolve())
+    measure = dict(suite["measure"])
     plans: dict[str, dict[str, Any]] = {}
     for name, recipe in suite["methods"].items():
         for k in range(seeds):
-            key = name if seeds == 1 else f"{name}/seed-{k}"
+            key = f"{name}/seed-{k}"  # so --seeds N+1 into the same folder keeps the runs of --seeds N
             s = _base(
                 {
                     "method": name,
@@ -170,9 +191,12 @@ def plans_of(
             s = _with_sets(s, name, sets)
             s["seed"] = int(s.get("seed", 0)) + k
             validate(resolve(None, s))
-            plans[key] = {"method_spec": name, "settings": s}
-    share_start_evaluations(plans)
-    return {"method_spec": "sft", "settings": stage}, plans
+            plans[key] = {"method_spec": name, "settings": s, **measure}
+            if all(s.get(k) == stage.get(k) for k in EVAL_KEYS):  # pi_sft's final evaluation is this run's first
+                plans[key].update(start_eval_from=str(out / STAGE), start_eval_last=True)
+    rest = {k: p for k, p in plans.items() if "start_eval_from" not in p}
+    share_start_evaluations(rest)
+    return {"method_spec": "sft", "settings": stage, **measure}, plans
 
 
 def _per_prompt(run: dict[str, Any], figure: str) -> Optional[dict[tuple[int, str], float]]:
@@ -249,6 +273,22 @@ def findings_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _times(header: dict[str, Any]) -> str:
+    """Wall time of stage 1 and of each seed's stage 2, as the runs measured them (kept runs: their first launch)."""
+    per = header.get("seed_s") or []
+    if header.get("stage1_s") is None or not per:
+        return ""
+    mins = lambda s: f"{s / 60:.1f} min"  # noqa: E731
+    return (
+        f"Wall time: stage 1 (pi_sft) {mins(header['stage1_s'])}; stage 2 "
+        + ", ".join(f"seed {k} {mins(s)}" for k, s in enumerate(per))
+        + f"; one seed from scratch (stage 1 and seed 0) {mins(header['stage1_s'] + per[0])}"
+        + f"; this command {mins(header['total_s'])}"
+        + (f" ({len(header['kept'])} runs kept from an earlier command)" if header.get("kept") else "")
+        + ".\n"
+    )
+
+
 def run_unified(
     out: Path,
     quick: bool,
@@ -310,6 +350,11 @@ def run_unified(
             else f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log"
         )
     header.update(load_end=_load(), total_s=time.perf_counter() - t0, kept=kept)
+    walls = {key: r.get("wall_s") for key, r in results.items()}
+    header["stage1_s"] = walls.get(STAGE)
+    header["seed_s"] = [
+        sum(w or 0.0 for key, w in walls.items() if key.endswith(f"/seed-{k}")) for k in range(seeds)
+    ]  # each seed's stage 2: what one more seed costs; one seed from scratch is stage1_s + seed_s[0]
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
         per_method.setdefault(key.split("/")[0], []).append(r)
@@ -319,7 +364,9 @@ def run_unified(
         seeds_table({k: v for k, v in per_method.items() if k != STAGE}, header, "sft")
         + f"\npi_sft (stage 1, {stage_row.get('steps')} SFT steps): held-out accuracy {fmt(stage_row.get('accuracy_before'), '.3f')} -> "
         f"{fmt(stage_row.get('accuracy_after'), '.3f')}, Maj@K {fmt(stage_row.get('maj_at_k'), '.3f')}, "
-        f"Pass@K {fmt(stage_row.get('pass_at_k'), '.3f')} (k={stage_row.get('k')}).\n\n## Findings (DeepSeekMath 5.2.2)\n\n"
+        f"Pass@K {fmt(stage_row.get('pass_at_k'), '.3f')} (k={stage_row.get('k')}).\n\n"
+        + _times(header)
+        + "\n## Findings (DeepSeekMath 5.2.2)\n\n"
         + findings_table(found)
     )
     (out / "bench.md").write_text(text)

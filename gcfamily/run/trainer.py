@@ -478,9 +478,11 @@ class Trainer:
                 metrics.update(self.method.after_step(self.step))
                 metrics = self.account(metrics, stats, t0)
                 self.cadence(metrics, bar)
-                evaluated = False
+                evaluated = bool(cfg.eval_every) and self.step % cfg.eval_every == 0  # the end needs no second one
             self.refuse_untrained()
-            if cfg.eval_at_ends and not evaluated:  # max_steps=0: the evaluation before is the one after
+            if (
+                cfg.eval_at_ends and not evaluated
+            ):  # max_steps=0: the evaluation before is the one after; so is the last step's
                 self._log(self.step, self.evaluate())
             self.finish()
         return self.out_dir
