@@ -96,3 +96,15 @@ def test_unified_refuses_what_it_decides_itself(tmp_path: Path) -> None:
 
     with pytest.raises(GcfError, match="names no run of the unified suite"):
         plans_of(tmp_path, True, 1, {"nosuch.lr": "1"}, None, None)
+
+
+def test_curves_are_against_prompts_seen_when_every_method_takes_the_same_prompts_a_step() -> None:
+    from gcfamily.bench.seeds import evaluation_points
+
+    def run(accs: list[float]) -> dict:
+        rows = [{"step": s, "budget/elapsed_s": 10.0 * s, "eval/accuracy": a} for s, a in zip((0, 6, 12), accs)]
+        return {"per_step": rows}
+
+    xs, ys = evaluation_points([run([0.4, 0.5, 0.6]), run([0.4, 0.3, 0.7])], prompts_per_step=4)
+    assert xs == [0.0, 24.0, 48.0] and ys == [[0.4, 0.4], [0.5, 0.3], [0.6, 0.7]]
+    assert evaluation_points([run([0.4, 0.5, 0.6])])[0] == [0.0, 60.0, 120.0]  # training seconds otherwise

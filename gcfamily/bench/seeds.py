@@ -220,8 +220,11 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
     return "\n".join(lines) + "\n"
 
 
-def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
-    """reward_bands.png and accuracy_bands.png: each method's mean over seeds at each step, the band from the lowest to the highest seed."""
+def band_plots(
+    per_method: dict[str, list[dict[str, Any]]], out: Path, prompts_per_step: Optional[int] = None
+) -> list[Path]:
+    """reward_bands.png and accuracy_bands.png: each method's mean over seeds at each step, the band from the lowest to the
+    highest seed. Against training seconds, or, given prompts_per_step (every method's batch_size), prompts seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,7 +245,7 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
             if (
                 key == "eval/accuracy"
             ):  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
-                xs, ys = evaluation_points(runs)
+                xs, ys = evaluation_points(runs, prompts_per_step)
             else:
                 by_step: dict[int, list[float]] = {}
                 for r in runs:
@@ -250,7 +253,7 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
                         if row.get(key) is not None:
                             by_step.setdefault(int(row["step"]), []).append(float(row[key]))
                 steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))  # steps every seed reached
-                xs, ys = [float(s) for s in steps], [by_step[s] for s in steps]
+                xs, ys = [float(s * (prompts_per_step or 1)) for s in steps], [by_step[s] for s in steps]
             if not xs:
                 continue
             ax.plot(
@@ -263,7 +266,11 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
             )
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}", alpha=0.2)
         ax.set_xlabel(
-            "optimizer step" if key != "eval/accuracy" else "training seconds (mean over seeds at each evaluation)"
+            "prompts seen"
+            if prompts_per_step
+            else "optimizer step"
+            if key != "eval/accuracy"
+            else "training seconds (mean over seeds at each evaluation)"
         )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -276,16 +283,20 @@ def band_plots(per_method: dict[str, list[dict[str, Any]]], out: Path) -> list[P
     return written
 
 
-def evaluation_points(runs: list[dict[str, Any]]) -> tuple[list[float], list[list[float]]]:
+def evaluation_points(
+    runs: list[dict[str, Any]], prompts_per_step: Optional[int] = None
+) -> tuple[list[float], list[list[float]]]:
     """(x, accuracies of every seed) at each evaluation: the k-th of every seed (before, during, after), at the mean of the
-    seeds' training seconds then. Seeds with fewer evaluations than the rest are aligned at their first ones and their last."""
+    seeds' training seconds then (or of the prompts seen, step x prompts_per_step, when given). Seeds with fewer
+    evaluations than the rest are aligned at their first ones and their last."""
     per_run = []
     for r in runs:
         pts, elapsed = [], 0.0
         for row in r.get("per_step") or []:
             elapsed = float(row.get("budget/elapsed_s", elapsed))
             if row.get("eval/accuracy") is not None:
-                pts.append((0.0 if int(row["step"]) == 0 else elapsed, float(row["eval/accuracy"])))
+                x = int(row["step"]) * prompts_per_step if prompts_per_step else elapsed
+                pts.append((0.0 if int(row["step"]) == 0 else float(x), float(row["eval/accuracy"])))
         if pts:
             per_run.append(pts)
     if len(per_run) != len(runs):

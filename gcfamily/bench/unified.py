@@ -370,7 +370,10 @@ def run_unified(
         + findings_table(found)
     )
     (out / "bench.md").write_text(text)
-    pngs = band_plots({k: v for k, v in per_method.items() if k != STAGE}, out)
+    per_step = {p["settings"]["batch_size"] for p in plans.values()}  # prompts a step: the paper's axis when all agree
+    pngs = band_plots(
+        {k: v for k, v in per_method.items() if k != STAGE}, out, per_step.pop() if len(per_step) == 1 else None
+    )
     (out / "bench.json").write_text(
         json.dumps(
             {
