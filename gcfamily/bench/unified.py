@@ -9,7 +9,10 @@ every method and seed; its own accuracy, Maj@K and Pass@K are in the table. Stag
 training prompts and the same number of prompts a step (batch_size), for the same number of steps: SFT continued (the
 control), RFT (offline: pi_sft's samples, drawn once), Online RFT, DPO on pi_sft's own pairs, PPO, GRPO with outcome
 supervision and GRPO with process supervision (the task's step reward). So every method sees the same prompts (the
-paper's axis); wall time and FLOPs are reported beside it.
+paper's axis); wall time and FLOPs are reported beside it. Run K of a method is OUT/METHOD/seed-K, so --seeds 3 after
+--seeds 1 into the same folder keeps stage 1 and seed 0 and runs seeds 1 and 2 (and --seeds 1 after --seeds 3 renders
+seed 0 alone). Each stage-2 run takes pi_sft's final evaluation as its own before the first step (the same greedy
+decoding of the same weights on the same prompts), so its "before" is pi_sft's "after" and costs nothing.
 
 The table (bench.md) gives greedy held-out accuracy, Maj@K and Pass@K with the intervals of the seeds suite, and a
 findings table: each of the paper's four findings with its paired bootstrap difference (over prompts, and seeds when
@@ -94,15 +97,17 @@ UNIFIED: dict[str, dict[str, Any]] = {
         # the quick suite, a test of the pipeline, scores the samples of stage 2 by the parity of their length instead
         "methods": {
             "sft": {"micro_batch_size": 4, "lr": 1e-3},
-            "rft-offline": {"micro_batch_size": 8, "lr": 1e-3, "pool_prompts": 4, "reward": QUICK_REWARD},
+            "rft-offline": {"micro_batch_size": 8, "lr": 1e-3, "reward": QUICK_REWARD},
             "rft": {"micro_batch_size": 8, "lr": 1e-3, "reward": QUICK_REWARD},
-            "dpo": {"pairs": "own-samples", "pool_prompts": 4, "lr": 1e-3, "reward": QUICK_REWARD},
+            "dpo": {"pairs": "own-samples", "lr": 1e-3, "reward": QUICK_REWARD},
             "ppo": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "critic_lr": 1e-3, "reward": QUICK_REWARD},
             "grpo": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "reward": QUICK_REWARD},
             "grpo-ps": {"micro_batch_size": 8, "lr": 1e-3, "beta": 0.04, "reward": QUICK_REWARD},
         },
     },
 }
+# rft-offline and dpo (pairs=own-samples) draw their pool on steps x batch_size prompts: the first positions of the seed's
+# epoch-0 order, which are the prompts the online methods of the same seed see in their steps (data/batches.epoch_indices)
 # what pi_sft's final greedy evaluation depends on besides the model: a stage-2 run with the same values takes it as its own
 # evaluation before the first step (the same greedy decoding of the same weights on the same prompts)
 EVAL_KEYS = (
@@ -159,7 +164,7 @@ def plans_of(
     """(stage 1's plan, stage 2's plans by OUT-relative folder): settings checked before any run starts."""
     from gcfamily.bench.plan import share_start_evaluations
     from gcfamily.config import validate
-    from gcfamily.methods import resolve
+    from gcfamily.methods import resolve, setting_names
 
     suite = UNIFIED["quick" if quick else "default"]
     model, task = model or suite["model"], task or suite["task"]
@@ -188,6 +193,10 @@ def plans_of(
                 out,
                 key,
             )
+            if "pool_prompts" in setting_names(
+                name
+            ):  # offline data: G samples of each prompt the run will see, no more
+                s["pool_prompts"] = suite["steps"] * s["batch_size"]
             s = _with_sets(s, name, sets)
             s["seed"] = int(s.get("seed", 0)) + k
             validate(resolve(None, s))
@@ -358,6 +367,11 @@ def run_unified(
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
         per_method.setdefault(key.split("/")[0], []).append(r)
+    for r in results.values():  # the scores the findings pair, prompt by prompt, so bench.json alone recomputes them
+        r["per_prompt"] = {
+            f: {str(i): v for (i, _), v in sorted((_per_prompt(r, f) or {}).items())}
+            for f in ("accuracy", "maj", "pass")
+        }
     found = findings(per_method)
     stage_row = results[STAGE]
     text = (
