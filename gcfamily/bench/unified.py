@@ -110,16 +110,7 @@ UNIFIED: dict[str, dict[str, Any]] = {
 # epoch-0 order, which are the prompts the online methods of the same seed see in their steps (data/batches.epoch_indices)
 # what pi_sft's final greedy evaluation depends on besides the model: a stage-2 run with the same values takes it as its own
 # evaluation before the first step (the same greedy decoding of the same weights on the same prompts)
-EVAL_KEYS = (
-    "task",
-    "task_seed",
-    "eval_samples",
-    "max_new_tokens",
-    "max_length",
-    "dtype",
-    "system_prompt",
-    "chat_template",
-)
+EVAL_KEYS = tuple("task task_seed eval_samples max_new_tokens max_length dtype system_prompt chat_template".split())
 STAGE = "sft-stage"
 FINDINGS = (
     ("(1) Online RFT beats RFT (online sampling beats offline)", "rft", "rft-offline", "accuracy"),
@@ -193,9 +184,8 @@ def plans_of(
                 out,
                 key,
             )
-            if "pool_prompts" in setting_names(
-                name
-            ):  # offline data: G samples of each prompt the run will see, no more
+            # offline data: G samples of each prompt the run will see, no more
+            if "pool_prompts" in setting_names(name):
                 s["pool_prompts"] = suite["steps"] * s["batch_size"]
             s = _with_sets(s, name, sets)
             s["seed"] = int(s.get("seed", 0)) + k
