@@ -314,7 +314,9 @@ def test_raising_reward_masks_the_sample_and_is_counted(tmp_path):
             **FAST,
         )
     )
-    batch, stats = tr.method.collect(0)
+    batch, stats = tr.method.data(0)
+    batch, more = tr.method.prepare(batch)
+    stats = {**stats, **more}
     failed = ~batch["valid"]
     assert failed.tolist() == [i % 5 == 4 for i in range(8)]  # the 5th sample of 8
     assert stats["reward/failed"] == 1.0

@@ -324,6 +324,19 @@ def normaliser(batches: Iterable[dict], mode: str, norm_constant: float = 1.0, g
     return max(z, 1e-12)  # an all-masked step has zero loss; Z only needs to be non-zero
 
 
+def gc_stats(coef: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean, mean |GC| and the fraction of loss tokens whose GC is exactly 0."""
+    m = mask.bool()
+    n = max(int(m.sum()), 1)
+    c = coef[m]
+    return {
+        "gc/mean": float(c.sum()) / n,
+        "gc/abs_mean": float(c.abs().sum()) / n,
+        "gc/zero_frac": float((c == 0).sum()) / n,
+        "gc/std": float(c.std()) if c.numel() > 1 else 0.0,
+    }
+
+
 def _dist_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 

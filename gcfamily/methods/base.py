@@ -120,12 +120,6 @@ class Method:
         the statistics of what it computed."""
         return batch, {}
 
-    def collect(self, step: int) -> tuple[Batch, Stats]:
-        """data then prepare: the step's prepared batch and every statistic of the two."""
-        batch, stats = self.data(step)
-        batch, more = self.prepare(batch)
-        return batch, {**stats, **more}
-
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         """GC[B, L] = dJ/dlogp_t at the current (detached) log-probs."""
         raise NotImplementedError
@@ -245,19 +239,6 @@ def heldout_normaliser(batch: Batch, mode: str, norm_constant: float = 1.0) -> f
     else:
         z = float(example_weights(batch).sum()) * (norm_constant if mode == "constant" else 1.0)
     return max(z, 1e-12)
-
-
-def gc_stats(coef: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Mean, mean |GC| and the fraction of loss tokens whose GC is exactly 0."""
-    m = mask.bool()
-    n = max(int(m.sum()), 1)
-    c = coef[m]
-    return {
-        "gc/mean": float(c.sum()) / n,
-        "gc/abs_mean": float(c.abs().sum()) / n,
-        "gc/zero_frac": float((c == 0).sum()) / n,
-        "gc/std": float(c.std()) if c.numel() > 1 else 0.0,
-    }
 
 
 def iter_chunks(seq: list, size: int) -> Iterator[list]:

@@ -21,11 +21,12 @@ import torch
 from gcfamily.config import Config, planned_steps, resolve_settings, to_dict, validate
 from gcfamily.core import engine, onednn, precision, threads
 from gcfamily.core.memory import peak_memory_mb, release_free_heap
+from gcfamily.core.engine import gc_stats
 from gcfamily.data.batches import select, split_batch, to_device
 from gcfamily.data.formats import Formatter
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.methods import get_method
-from gcfamily.methods.base import GENERATED, Batch, Method, gc_stats
+from gcfamily.methods.base import GENERATED, Batch, Method
 from gcfamily.models import load_model, lora
 from gcfamily.rollout import context_length
 from gcfamily.run import checkpoint
