@@ -31,6 +31,7 @@ from test_family_sampling import OVERRIDES, SIZES, oracle_logps, tiny
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families
 from gcfamily.errors import GcfError
 from gcfamily.rollout import SamplingSettings, generate, recompute
@@ -94,12 +95,10 @@ def run(model_type: str) -> dict:
     row["attention"] = model.config._attn_implementation
     row["sampling path"] = "full forward per token" if families.no_kv_cache(model.config) else "KV cache"
     batch = distinct_batch(torch.Generator().manual_seed(1))
-    batch = {k: v % V if k == "input_ids" else v for k, v in batch.items()}
+    batch = batch.replaced(input_ids=batch.input_ids % V)
     try:  # training: log-probs and the gradient of a weighted sum of them, against the model's own forward
-        w = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(2)) * batch["loss_mask"]
-        lp = engine.token_logprobs(
-            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True
-        )
+        w = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(2)) * batch.loss_mask
+        lp = engine.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0, 16, True)
         (lp.logps * w).sum().backward()
         got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
@@ -119,7 +118,7 @@ def run(model_type: str) -> dict:
         prompts = [torch.randint(3, V, (k,), generator=g).tolist() for k in (5, 9)]
         ro = generate(model, tokenizer(), prompts, 2, SamplingSettings(greedy=True, max_new_tokens=6), eos_token_ids=[])
         P = ro.input_ids.shape[1] - 6
-        rows = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "loss_mask": ro.completion_mask}
+        rows = Batch(input_ids=ro.input_ids, attention_mask=ro.attention_mask, loss_mask=ro.completion_mask)
         with torch.no_grad():
             row["sample log-probs"] = float((ro.sample_logps - oracle_logps(model, rows)).abs().max())
         # the independent greedy: argmax of a full forward over each unpadded row, token by token

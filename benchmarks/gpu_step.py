@@ -208,8 +208,8 @@ def grpo_figures(
 
     def counting_prepare(batch):  # every non-pad token the step trains on, and the no-grad passes over them
         b, stats = prepare(batch)
-        tokens.append(int(b["attention_mask"].sum()))
-        forwards.append(int("ref_logps" in b) + int("old_logps" in b))
+        tokens.append(int(b.attention_mask.sum()))
+        forwards.append(int(b.ref_logps is not None) + int(b.old_logps is not None))
         return b, stats
 
     trainer.method.prepare = counting_prepare

@@ -97,7 +97,7 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
 
     def one_step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        b, _ = tr.method.prepare(dict(batch))
+        b, _ = tr.method.prepare(batch.copy())
         t1 = time.perf_counter()
         tr.train_step(b)
         return t1 - t0, time.perf_counter() - t1
@@ -105,13 +105,13 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
     one_step()  # warm-up: allocator growth, first-call costs
     prep, train = zip(*[one_step() for _ in range(reps)])
     step_s = statistics.median(p + q for p, q in zip(prep, train))
-    prepared, _ = tr.method.prepare(dict(batch))
-    tokens = int(batch["attention_mask"].sum())
+    prepared, _ = tr.method.prepare(batch.copy())
+    tokens = int(batch.attention_mask.sum())
     loss_tokens = int(effective_mask(prepared).sum())
     packed = 0  # tokens the model actually runs: packed micro-batches, a shared prompt once per group
     for mb in split_batch(batch, cfg.micro_batch_size, tr.method.rows_per_example):
-        p = pack_rows(mb["input_ids"], mb["attention_mask"], mb["loss_mask"], cfg.share_prefix)
-        packed += mb["input_ids"].numel() if p is None else p.input_ids.numel()
+        p = pack_rows(mb.input_ids, mb.attention_mask, mb.loss_mask, cfg.share_prefix)
+        packed += mb.input_ids.numel() if p is None else p.input_ids.numel()
     policy = tr.unwrapped_policy()
     params = sum(p.numel() for p in policy.parameters())
     head = policy.get_output_embeddings().weight
@@ -130,8 +130,8 @@ def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
         "tokens": tokens,
         "packed_tokens": packed,
         "loss_tokens": loss_tokens,
-        "rows": int(batch["input_ids"].shape[0]),
-        "seq_len": int(batch["input_ids"].shape[1]),
+        "rows": int(batch.input_ids.shape[0]),
+        "seq_len": int(batch.input_ids.shape[1]),
         "step_s": step_s,
         "prepare_s": statistics.median(prep),
         "train_s": statistics.median(train),
@@ -152,7 +152,7 @@ def profile_step(tr, batch: dict, top: int = 18) -> str:  # noqa: ANN001
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("prepare"):
-            b, _ = tr.method.prepare(dict(batch))
+            b, _ = tr.method.prepare(batch.copy())
         with record_function("train_step"):
             tr.train_step(b)
     return prof.key_averages().table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=60)

@@ -84,7 +84,7 @@ class GSPO(GRPO):
     ratio_level = "sequence"
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
             min=1
         )
@@ -95,9 +95,9 @@ class GSPO(GRPO):
         adv, (s, _), (lo, hi) = self.token_advantages(batch), self.importance_ratio(batch, logps), self.clip_range()
         per_token = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)
         if self.kl_in_loss(batch):  # plain k3 only: TRL weighs its bias-corrected KL by s_i, not by r_t
-            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token - self.settings.beta * kl_value("k3", log_rho, torch.zeros_like(log_rho))
-        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+        return self.aggregate(per_token * batch.loss_mask, batch, Z)
 
 
 class TwoSidedClip(GRPO):
@@ -120,9 +120,9 @@ class TwoSidedClip(GRPO):
         ratio = torch.exp(log_r)
         per_token = torch.minimum(ratio.clamp(max=self.settings.delta) * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
         if self.kl_in_loss(batch):
-            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token - self.settings.beta * kl_value(self.kl_name, log_rho, log_r)
-        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+        return self.aggregate(per_token * batch.loss_mask, batch, Z)
 
 
 EXTENSIONS: dict[str, type[Method]] = {"gspo": GSPO, "grpo-delta": TwoSidedClip}
@@ -563,13 +563,13 @@ def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
             log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
         )
 
-    inputs = {
-        "input_ids": case["ids"][order],
-        "attention_mask": torch.ones_like(mask),
-        "completion_mask": mask,
-        "ref_chosen_logps": ref_sum[: B // 2],
-        "ref_rejected_logps": ref_sum[B // 2 :],
-    }
+    inputs = Batch(
+        input_ids=case["ids"][order],
+        attention_mask=torch.ones_like(mask),
+        completion_mask=mask,
+        ref_chosen_logps=ref_sum[: B // 2],
+        ref_rejected_logps=ref_sum[B // 2 :],
+    )
     loss = DPOTrainer._compute_loss(tr, model, inputs, return_outputs=False)
     loss.backward()
     return {"loss": float(loss.detach()), "grad": leaf.grad}
@@ -659,30 +659,30 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
     loss_mask = ((pos >= P) & (pos < P + lengths[:, None])).long()  # [B, P+T]
     method.services = _Services(case["old"], case["ref"])  # what setup() would have given prepare
     method.ref = "reference" if method.settings.beta > 0 else None
-    batch: Batch = {
-        "input_ids": torch.cat([torch.full((B, P), 5), case["ids"]], 1),
-        "attention_mask": torch.ones(B, P + T, dtype=torch.long),
-        "loss_mask": loss_mask,
-        "rewards": case["rewards"].clone(),
-        "valid": torch.ones(B, dtype=torch.bool),
-    }
+    batch: Batch = Batch(
+        input_ids=torch.cat([torch.full((B, P), 5), case["ids"]], 1),
+        attention_mask=torch.ones(B, P + T, dtype=torch.long),
+        loss_mask=loss_mask,
+        rewards=case["rewards"].clone(),
+        valid=torch.ones(B, dtype=torch.bool),
+    )
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])
-    out["advantages"] = batch["advantages"].double()
+    out["advantages"] = batch.advantages.double()
     return out
 
 
 def gcf_pairs(row: Row, case: dict) -> dict[str, Any]:
     method = build_method(row.method, row.sets, {}, row.validated)
     B = case["logps"].shape[0]
-    batch: Batch = {
-        "input_ids": case["ids"],
-        "attention_mask": torch.ones_like(case["loss_mask"]),
-        "loss_mask": case["loss_mask"],
-        "example_weight": torch.full((B,), 0.5),
-    }
+    batch: Batch = Batch(
+        input_ids=case["ids"],
+        attention_mask=torch.ones_like(case["loss_mask"]),
+        loss_mask=case["loss_mask"],
+        example_weight=torch.full((B,), 0.5),
+    )
     if method.uses_reference:
-        batch["ref_logps"] = case["ref"] * case["loss_mask"]
+        batch.ref_logps = case["ref"] * case["loss_mask"]
     return _step(method, batch, case["logps"])
 
 

@@ -25,7 +25,7 @@ class GSPO(GRPO):
     ratio_level = "sequence"
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = batch["loss_mask"].float()  # [B, L]
+        mask = batch.loss_mask.float()  # [B, L]
         log_s = ((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
             min=1
         )
@@ -34,6 +34,6 @@ class GSPO(GRPO):
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         s, adv, (lo, hi) = self.importance_ratio(batch, logps)[0], self.token_advantages(batch), self.clip_range()
-        surrogate = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv) * batch["loss_mask"]  # [B, L]
-        kl_only = {**batch, "advantages": torch.zeros_like(batch["advantages"])}  # GRPO's J with A = 0: its KL term
+        surrogate = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv) * batch.loss_mask  # [B, L]
+        kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J with A = 0: its KL term
         return self.aggregate(surrogate, batch, Z) + super().objective(kl_only, logps, Z)

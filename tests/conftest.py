@@ -52,11 +52,11 @@ def assert_engine_grad_matches_objective(trainer, batch, micro: int = 3) -> None
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
     trainer.policy.zero_grad()
     for mb in mbs:
-        lp = engine.token_logprobs(trainer.policy, mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).logps
+        lp = engine.token_logprobs(trainer.policy, mb.input_ids, mb.attention_mask, mb.loss_mask).logps
         engine.weighted_loss(m.coefficient(mb, lp.detach()), lp, mb, m.norm, Z).backward()
     got = [p.grad.clone() for p in params]
     trainer.policy.zero_grad()
-    lp = engine.token_logprobs(trainer.policy, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).logps
+    lp = engine.token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask, batch.loss_mask).logps
     (-m.objective(batch, lp, Z)).backward()
     for a, b in zip(got, (p.grad for p in params)):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)

@@ -16,8 +16,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gspo.py"
 NO_CLIP_COEFFICIENT = """
     def coefficient(self, batch, logps):
         s, g = self.importance_ratio(batch, logps)
-        kl_part = super().coefficient({**batch, "advantages": torch.zeros_like(batch["advantages"])}, logps)
-        return kl_part + g * self.token_advantages(batch) * batch["loss_mask"]
+        kl_part = super().coefficient(batch.replaced(advantages=torch.zeros_like(batch.advantages)), logps)
+        return kl_part + g * self.token_advantages(batch) * batch.loss_mask
 """
 
 

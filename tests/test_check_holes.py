@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gcfamily.core.batch import Batch
 from gcfamily import check
 from gcfamily.config import Config
 from gcfamily.core import engine
@@ -154,21 +155,21 @@ def test_the_builtin_gspo_is_the_rule_the_trl_parity_rows_check(sets: dict) -> N
     log_s = torch.tensor([1e-3, -1e-3, 1e-4, -1e-4], dtype=torch.float64).repeat(4)[:, None]  # [B, 1]
     noise = 1e-3 * torch.randn(B, L, generator=g, dtype=torch.float64) * mask
     noise = noise - (noise.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)) * mask  # mean 0 over each row
-    batch = {
-        "input_ids": torch.zeros(B, L, dtype=torch.long),
-        "loss_mask": mask,
-        "old_logps": (logps - log_s - noise) * mask,
-        "ref_logps": (logps + 0.5 * torch.randn(B, L, generator=g, dtype=torch.float64)) * mask,
-        "advantages": torch.tensor([1.0] * 4 + [-1.0] * 4).repeat(2) * torch.rand(B, generator=g),
-        "valid": torch.ones(B, dtype=torch.bool),
-    }
-    s = torch.exp(((logps - batch["old_logps"]) * mask).sum(-1) / mask.sum(-1))
-    A = batch["advantages"]
+    batch = Batch(
+        input_ids=torch.zeros(B, L, dtype=torch.long),
+        loss_mask=mask,
+        old_logps=(logps - log_s - noise) * mask,
+        ref_logps=(logps + 0.5 * torch.randn(B, L, generator=g, dtype=torch.float64)) * mask,
+        advantages=torch.tensor([1.0] * 4 + [-1.0] * 4).repeat(2) * torch.rand(B, generator=g),
+        valid=torch.ones(B, dtype=torch.bool),
+    )
+    s = torch.exp(((logps - batch.old_logps) * mask).sum(-1) / mask.sum(-1))
+    A = batch.advantages
     assert ((A > 0) & (s > 1 + 4e-4)).any() and ((A < 0) & (s < 1 - 3e-4)).any()  # both clips reached
     got = []
     for cls in (GSPO, copy):
         m = check.make(cls, {"group_size": 4, "mu": 2, "std_eps": 1e-4, "epsilon": 3e-4, "epsilon_high": 4e-4, **sets})
-        b = batch if m.settings.beta > 0 else {k: v for k, v in batch.items() if k != "ref_logps"}
+        b = batch if m.settings.beta > 0 else batch.replaced(ref_logps=None)
         Z = engine.normaliser([b], m.norm, m.cfg.norm_constant)
         lp = logps.clone().requires_grad_(True)
         J = m.objective(b, lp, Z)

@@ -37,9 +37,9 @@ class _OneNanCoefficient(SFT):
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         coef = super().coefficient(batch, logps).clone()
-        if 0 in batch["row_id"].tolist():
-            r = batch["row_id"].tolist().index(0)
-            coef[r, int(batch["loss_mask"][r].nonzero()[0])] = float("nan")
+        if 0 in batch.row_id.tolist():
+            r = batch.row_id.tolist().index(0)
+            coef[r, int(batch.loss_mask[r].nonzero()[0])] = float("nan")
         return coef
 
 

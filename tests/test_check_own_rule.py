@@ -128,20 +128,20 @@ COEFFICIENT, OBJECTIVE = GRPO.coefficient, GRPO.objective  # GRPO's own, before 
 
 
 def _scaled_coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-    return COEFFICIENT(self, {**batch, "advantages": 1.7 * batch["advantages"]}, logps)
+    return COEFFICIENT(self, batch.replaced(advantages=1.7 * batch.advantages), logps)
 
 
 def _scaled_objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-    return OBJECTIVE(self, {**batch, "advantages": 1.7 * batch["advantages"]}, logps, Z)
+    return OBJECTIVE(self, batch.replaced(advantages=1.7 * batch.advantages), logps, Z)
 
 
 def _flipped_kl_coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-    no_kl = COEFFICIENT(self, {k: v for k, v in batch.items() if k != "ref_logps"}, logps)
+    no_kl = COEFFICIENT(self, batch.replaced(ref_logps=None), logps)
     return 2 * no_kl - COEFFICIENT(self, batch, logps)
 
 
 def _flipped_kl_objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-    no_kl = OBJECTIVE(self, {k: v for k, v in batch.items() if k != "ref_logps"}, logps, Z)
+    no_kl = OBJECTIVE(self, batch.replaced(ref_logps=None), logps, Z)
     return 2 * no_kl - OBJECTIVE(self, batch, logps, Z)
 
 
@@ -171,15 +171,15 @@ def test_a_mistake_a_builtins_coefficient_and_objective_share_is_caught_by_the_t
 
 def _unclipped_coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
     """s_i * A_i on every token, never clipped, plus GRPO's KL part (its coefficient at A = 0)."""
-    kl_part = GRPO.coefficient(self, {**batch, "advantages": torch.zeros_like(batch["advantages"])}, logps)
-    return kl_part + self.importance_ratio(batch, logps)[1] * self.token_advantages(batch) * batch["loss_mask"]
+    kl_part = GRPO.coefficient(self, batch.replaced(advantages=torch.zeros_like(batch.advantages)), logps)
+    return kl_part + self.importance_ratio(batch, logps)[1] * self.token_advantages(batch) * batch.loss_mask
 
 
 def _unclipped_objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
     """s_i * A_i, never clipped, minus GRPO's KL term (its objective at A = 0)."""
     s = self.importance_ratio(batch, logps)[0]
-    kl_only = GRPO.objective(self, {**batch, "advantages": torch.zeros_like(batch["advantages"])}, logps, Z)
-    return self.aggregate(s * self.token_advantages(batch) * batch["loss_mask"], batch, Z) + kl_only
+    kl_only = GRPO.objective(self, batch.replaced(advantages=torch.zeros_like(batch.advantages)), logps, Z)
+    return self.aggregate(s * self.token_advantages(batch) * batch.loss_mask, batch, Z) + kl_only
 
 
 def test_a_builtin_gspo_without_its_clip_anywhere_is_caught_by_the_textbook(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,7 @@ def _caught(name: str, label: str, monkeypatch: pytest.MonkeyPatch, plant: tuple
 
 def _swap_pairs(batch: dict) -> dict:
     """Rows 2k and 2k+1 exchanged: rejected first."""
-    order = torch.arange(batch["input_ids"].shape[0]).view(-1, 2).flip(1).flatten()
+    order = torch.arange(batch.input_ids.shape[0]).view(-1, 2).flip(1).flatten()
     return select(batch, order)
 
 
@@ -188,7 +188,7 @@ def test_a_reward_model_step_divided_by_rows_is_caught(monkeypatch: pytest.Monke
 
     def by_rows(self, batch):  # type: ignore[no-untyped-def]
         out = real(self, batch)
-        self.pairs_in_step += batch["input_ids"].shape[0] // 2  # counts rows, not pairs
+        self.pairs_in_step += batch.input_ids.shape[0] // 2  # counts rows, not pairs
         return out
 
     _caught("reward-model", "defaults", monkeypatch, (RewardModelTraining, "auxiliary_step", by_rows))

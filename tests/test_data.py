@@ -2,6 +2,7 @@
 
 import torch
 
+from gcfamily.core.batch import ROW, Batch
 from gcfamily.data.batches import collate, epoch_indices, split_batch
 from gcfamily.data.formats import Formatter, encode
 from gcfamily.models import tiny_tokenizer
@@ -16,9 +17,9 @@ def test_prompt_is_masked_and_eos_is_trained_even_when_pad_is_eos():
     assert skipped == 0 and c[-1] == tok.eos_token_id
     b = collate([ex, (p, c[:1])], tok.pad_token_id)
     n = len(p) + len(c)
-    assert b["loss_mask"][0].tolist() == [0] * len(p) + [1] * len(c)  # EOS position is in the loss
-    assert b["input_ids"][0, n - 1] == tok.eos_token_id and b["attention_mask"][0, :n].all()
-    assert b["loss_mask"][1].sum() == 1  # padding is not trained
+    assert b.loss_mask[0].tolist() == [0] * len(p) + [1] * len(c)  # EOS position is in the loss
+    assert b.input_ids[0, n - 1] == tok.eos_token_id and b.attention_mask[0, :n].all()
+    assert b.loss_mask[1].sum() == 1  # padding is not trained
 
 
 def test_chat_template_is_applied():
@@ -43,12 +44,11 @@ def test_epoch_indices_cover_each_epoch_once_and_are_deterministic():
 
 
 def test_split_batch_keeps_pairs_and_trims_padding():
-    b = {
-        "input_ids": torch.arange(24).view(6, 4),
-        "attention_mask": torch.tensor([[0, 1, 1, 0]] * 6),
-        "loss_mask": torch.tensor([[0, 0, 1, 0]] * 6),
-        "names": list("abcdef"),
-    }
+    b = Batch(
+        input_ids=torch.arange(24).view(6, 4),
+        attention_mask=torch.tensor([[0, 1, 1, 0]] * 6),
+        loss_mask=torch.tensor([[0, 0, 1, 0]] * 6),
+    ).put("names", list("abcdef"), ROW)
     parts = split_batch(b, 3, rows_per_example=2)  # 3 rounds down to whole pairs
-    assert [p["input_ids"].shape for p in parts] == [torch.Size([2, 2])] * 3
-    assert parts[1]["names"] == ["c", "d"] and parts[0]["input_ids"][0].tolist() == [1, 2]
+    assert [p.input_ids.shape for p in parts] == [torch.Size([2, 2])] * 3
+    assert parts[1].own["names"] == ["c", "d"] and parts[0].input_ids[0].tolist() == [1, 2]

@@ -444,7 +444,7 @@ def _worker(out: Path) -> None:
 
             tr = Trainer(_cfg(out / f"grpo-{strategy}", strategy, **GRPO), dist_env=env)
             batch = fixed_grpo_batch(tr.tokenizer)
-            per = len(batch["input_ids"]) // env.world_size
+            per = len(batch.input_ids) // env.world_size
             metrics = tr.train_step(tr.method.prepare(select(batch, slice(env.rank * per, (env.rank + 1) * per)))[0])
             weights = env.full_state_dict(tr.unwrapped_policy())
             if env.is_main:
@@ -462,7 +462,7 @@ def _ppo_worker(out: Path, strategy: str, env) -> None:
 
     def share(tr) -> dict:
         batch = fixed_grpo_batch(tr.tokenizer)
-        per = len(batch["input_ids"]) // env.world_size
+        per = len(batch.input_ids) // env.world_size
         return select(batch, slice(env.rank * per, (env.rank + 1) * per))
 
     def weights(tr) -> dict:

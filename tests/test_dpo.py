@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
@@ -43,9 +44,9 @@ def _method(name, **settings):
 
 def _textbook_loss(name, cfg, logps, batch):
     """Mean loss over pairs, written from each paper with sequence sums, independently of gcfamily."""
-    mask = batch["loss_mask"].double()
+    mask = batch.loss_mask.double()
     pi = (logps * mask).sum(-1)  # [B] log pi(o | q)
-    ref = (batch["ref_logps"] * mask).sum(-1)
+    ref = (batch.ref_logps * mask).sum(-1)
     pi_w, pi_l, ref_w, ref_l = pi[0::2], pi[1::2], ref[0::2], ref[1::2]
     d = (pi_w - ref_w) - (pi_l - ref_l)  # log-ratio gap
     b = cfg.settings.beta
@@ -73,13 +74,13 @@ def _pair_batch(P=5, L=12, seed=0):
     loss_mask = attention_mask * (pos >= prompt_len[:, None]).long()  # [B, L]
     ref = -3 * torch.rand(B, L, generator=g, dtype=torch.float64) * loss_mask  # [B, L]
     logps = (ref + torch.randn(B, L, generator=g, dtype=torch.float64)).clamp(max=0) * loss_mask
-    batch = {
-        "input_ids": torch.zeros(B, L, dtype=torch.long),
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "ref_logps": ref,
-        "example_weight": torch.full((B,), 0.5),
-    }
+    batch = Batch(
+        input_ids=torch.zeros(B, L, dtype=torch.long),
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        ref_logps=ref,
+        example_weight=torch.full((B,), 0.5),
+    )
     return batch, logps.requires_grad_()
 
 
@@ -107,7 +108,7 @@ def test_engine_gradient_equals_textbook_autograd(name, seed):
     assert torch.allclose(g_engine, g_paper, atol=1e-10, rtol=1e-8)
     assert torch.allclose(g_engine, g_objective, atol=1e-10, rtol=1e-8)
     assert torch.allclose(-m.objective(batch, logps, Z), _textbook_loss(name, m.cfg, logps, batch))
-    assert (coef * (1 - batch["loss_mask"])).abs().sum() == 0  # no GC off the completions
+    assert (coef * (1 - batch.loss_mask)).abs().sum() == 0  # no GC off the completions
 
 
 def _hand_batch(chosen, rejected, ref_chosen=None, ref_rejected=None):
@@ -115,13 +116,13 @@ def _hand_batch(chosen, rejected, ref_chosen=None, ref_rejected=None):
     logps = torch.tensor([[0.0, *chosen, 0.0], [0.0, *rejected]], dtype=torch.float64)
     ref = torch.tensor([[0.0, *(ref_chosen or chosen), 0.0], [0.0, *(ref_rejected or rejected)]], dtype=torch.float64)
     loss_mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
-    return {
-        "input_ids": torch.zeros(2, 4, dtype=torch.long),
-        "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
-        "loss_mask": loss_mask,
-        "ref_logps": ref,
-        "example_weight": torch.full((2,), 0.5),
-    }, logps
+    return Batch(
+        input_ids=torch.zeros(2, 4, dtype=torch.long),
+        attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+        loss_mask=loss_mask,
+        ref_logps=ref,
+        example_weight=torch.full((2,), 0.5),
+    ), logps
 
 
 L3 = math.log(3)
@@ -219,19 +220,19 @@ def test_batches_keep_pairs_and_reference(tmp_path):
     """Chosen/rejected alternate, share a prompt, weigh 1/2 each, and stay together in micro-batches."""
     tr = _trainer(tmp_path, method="dpo", max_steps=2, batch_size=3, micro_batch_size=3)
     batch, _ = tr.method.data(1)
-    assert batch["input_ids"].shape[0] == 6 and batch["example_weight"].tolist() == [0.5] * 6
-    first = batch["loss_mask"].argmax(-1)
+    assert batch.input_ids.shape[0] == 6 and batch.example_weight.tolist() == [0.5] * 6
+    first = batch.loss_mask.argmax(-1)
     assert torch.equal(first[0::2], first[1::2])  # the same prompt length in each pair
-    assert torch.equal(batch["input_ids"][0, : first[0]], batch["input_ids"][1, : first[0]])
-    assert torch.equal(batch["ref_logps"] != 0, batch["loss_mask"].bool())
+    assert torch.equal(batch.input_ids[0, : first[0]], batch.input_ids[1, : first[0]])
+    assert torch.equal(batch.ref_logps != 0, batch.loss_mask.bool())
     mbs = split_batch(batch, tr.cfg.micro_batch_size, tr.method.rows_per_example)
-    assert [mb["input_ids"].shape[0] for mb in mbs] == [2, 2, 2]
+    assert [mb.input_ids.shape[0] for mb in mbs] == [2, 2, 2]
     # before any step the policy is the reference: every margin is zero
     lp = tr.services.logprobs(tr.policy, batch)
-    assert torch.allclose(lp, batch["ref_logps"], atol=1e-5)
+    assert torch.allclose(lp, batch.ref_logps, atol=1e-5)
     # SimPO holds no reference at all
     simpo = _trainer(tmp_path, method="simpo", max_steps=2, overwrite=True)
-    assert simpo.method.ref == {} and "ref_logps" not in simpo.method.data(0)[0]
+    assert simpo.method.ref == {} and simpo.method.data(0)[0].ref_logps is None
 
 
 def test_an_open_budget_scores_the_pairs_as_the_steps_reach_them(tmp_path, monkeypatch):

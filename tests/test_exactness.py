@@ -118,10 +118,10 @@ class _ScaledAdvantages(GRPO):
     name = "scaled"
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        return super().coefficient({**batch, "advantages": 1.7 * batch["advantages"]}, logps)
+        return super().coefficient(batch.replaced(advantages=1.7 * batch.advantages), logps)
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        return super().objective({**batch, "advantages": 1.7 * batch["advantages"]}, logps, Z)
+        return super().objective(batch.replaced(advantages=1.7 * batch.advantages), logps, Z)
 
 
 class _UnclippedSequence(GRPO):
@@ -131,16 +131,16 @@ class _UnclippedSequence(GRPO):
     ratio_level = "sequence"
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = batch["loss_mask"].to(logps.dtype)
+        mask = batch.loss_mask.to(logps.dtype)
         s = torch.exp(((logps - self._old(batch, logps)) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
         return s.expand_as(logps), s.expand_as(logps)
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        return self.importance_ratio(batch, logps)[1] * self.token_advantages(batch) * batch["loss_mask"]
+        return self.importance_ratio(batch, logps)[1] * self.token_advantages(batch) * batch.loss_mask
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         return self.aggregate(
-            self.importance_ratio(batch, logps)[0] * self.token_advantages(batch) * batch["loss_mask"], batch, Z
+            self.importance_ratio(batch, logps)[0] * self.token_advantages(batch) * batch.loss_mask, batch, Z
         )
 
 
@@ -150,11 +150,11 @@ class _FlippedKL(GRPO):
     name = "flipped-kl"
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        no_kl = super().coefficient({k: v for k, v in batch.items() if k != "ref_logps"}, logps)
+        no_kl = super().coefficient(batch.replaced(ref_logps=None), logps)
         return 2 * no_kl - super().coefficient(batch, logps)
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        no_kl = super().objective({k: v for k, v in batch.items() if k != "ref_logps"}, logps, Z)
+        no_kl = super().objective(batch.replaced(ref_logps=None), logps, Z)
         return 2 * no_kl - super().objective(batch, logps, Z)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gcfamily.core.batch import STEP
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.run.trainer import Trainer
@@ -182,11 +183,11 @@ def _poison(trainer: Trainer, at) -> None:
 
     def poisoned(step: int):
         batch, stats = data(step)
-        return {**batch, "poison": bool(at(step))}, stats
+        return batch.put("poison", bool(at(step)), STEP), stats
 
     trainer.method.data = poisoned
     trainer.method.coefficient = lambda batch, logps: (
-        coefficient(batch, logps) * (float("nan") if batch.get("poison") else 1.0)
+        coefficient(batch, logps) * (float("nan") if batch.own.get("poison") else 1.0)
     )
 
 

@@ -8,6 +8,7 @@ import transformers as tf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families, packing
 from gcfamily.errors import GcfError
 from gcfamily.rollout import SamplingSettings, generate
@@ -149,7 +150,7 @@ def _rows(lengths_prompt, lengths_comp, g, shared_groups=None):
         p = prompts[shared_groups[b] if shared_groups else b]
         ids[b, P - len(p) : P], ids[b, P : P + c] = p, torch.randint(3, V, (c,), generator=g)
         attn[b, P - len(p) : P + c], loss[b, P : P + c] = 1, 1
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss)
 
 
 def grpo_batch(g):
@@ -164,13 +165,13 @@ def distinct_batch(g):
 
 def oracle_logps(model, batch):
     """log pi(token | its unpadded prefix) from the model's own forward on each row alone: [B, L], 0 off the loss mask."""
-    out = torch.zeros(batch["input_ids"].shape)
+    out = torch.zeros(batch.input_ids.shape)
     for b in range(len(out)):
-        cols = batch["attention_mask"][b].nonzero()[:, 0]
-        seq = batch["input_ids"][b, cols]
+        cols = batch.attention_mask[b].nonzero()[:, 0]
+        seq = batch.input_ids[b, cols]
         lp = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].float(), -1).gather(-1, seq[1:, None])[:, 0]
         out[b, cols[1:]] = lp
-    return out * batch["loss_mask"]
+    return out * batch.loss_mask
 
 
 def _grads(model):
@@ -194,9 +195,7 @@ def engine_pass(model, batch, w, monkeypatch, plain=False):
         lambda m, a, k: seen["masks"].append(k.get("attention_mask")), with_kwargs=True
     )
     try:
-        lp = engine.token_logprobs(
-            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True
-        ).logps
+        lp = engine.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0, 16, True).logps
     finally:
         hook.remove()
         monkeypatch.setattr(packing, "pack_rows", real_pack)
@@ -214,7 +213,7 @@ def test_packed_and_padded_logprobs_and_gradients_equal_the_models_own_forward(n
     kinds = FAMILIES[name][3]
     g = torch.Generator().manual_seed(1)
     for batch, prefix in ((grpo_batch(g), True), (distinct_batch(g), False)):
-        w = torch.randn(batch["input_ids"].shape, generator=g) * batch["loss_mask"]  # an arbitrary upstream gradient
+        w = torch.randn(batch.input_ids.shape, generator=g) * batch.loss_mask  # an arbitrary upstream gradient
         want = oracle_logps(model, batch)
         (want * w).sum().backward()
         want_grads = _grads(model)
@@ -270,7 +269,7 @@ def test_greedy_rollout_equals_generate_past_the_window(name):
     assert torch.equal(ro.input_ids[:, P:], ref[:, :C]) and (ref[:, C:] == PAD).all()
     assert len(set(ro.completion_lengths.tolist())) > 1 and int(ro.completion_lengths.min()) > W
     # and each token's recorded log-prob is the one the model's own forward on the unpadded row gives
-    rows = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "loss_mask": ro.completion_mask}
+    rows = Batch(input_ids=ro.input_ids, attention_mask=ro.attention_mask, loss_mask=ro.completion_mask)
     with torch.no_grad():
         assert (ro.sample_logps - oracle_logps(model, rows)).abs().max() < 1e-5
 
@@ -289,7 +288,7 @@ def test_the_engine_refuses_a_model_that_skipped_prepare():
     model = getattr(tf, cls)(getattr(tf, cfg_cls)(**{**SMALL, **fields}))
     batch = distinct_batch(torch.Generator().manual_seed(3))
     with pytest.raises(GcfError, match="logit_scale=0.0625"):
-        engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        engine.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
 
 
 def test_attention_softcapping_runs_eager():

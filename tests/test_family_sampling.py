@@ -15,6 +15,7 @@ import torch
 import transformers as tf
 from test_families import PAD, distinct_batch, grpo_batch, tokenizer
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families
 from gcfamily.rollout import SamplingSettings, generate, recompute
 
@@ -115,17 +116,17 @@ def _tiny_or_skip(model_type: str) -> Any:
 
 def oracle_logps(model: Any, batch: dict) -> torch.Tensor:
     """log pi(token | its unpadded prefix) from the model's own forward on each row alone (no cache), [B, L]."""
-    out = torch.zeros(batch["input_ids"].shape)
+    out = torch.zeros(batch.input_ids.shape)
     for b in range(len(out)):
-        cols = batch["attention_mask"][b].nonzero()[:, 0]
-        seq = batch["input_ids"][b, cols]
+        cols = batch.attention_mask[b].nonzero()[:, 0]
+        seq = batch.input_ids[b, cols]
         logits = model(input_ids=seq[None], use_cache=False).logits[0, :-1].float()
         out[b, cols[1:]] = torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
-    return out * batch["loss_mask"]
+    return out * batch.loss_mask
 
 
 def _gradients(model: Any, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    lp = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True)
+    lp = engine.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0, 16, True)
     lp.logps.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -136,7 +137,7 @@ def test_gemma3n_runs_eager_and_its_gradients_are_finite_and_exact_on_left_padde
     model = _tiny_or_skip("gemma3n_text")
     assert model.config._attn_implementation == "eager"  # prepare sent it there; SDPA gave NaN in 92 of 102 tensors
     batch = grpo_batch(torch.Generator().manual_seed(1))  # left-padded prompts, as a rollout lays them out
-    w = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(2)) * batch["loss_mask"]
+    w = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(2)) * batch.loss_mask
     logps, grads = _gradients(model, batch)
     bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
     assert not bad, f"non-finite gradients in {len(bad)} of {len(grads)} tensors: {bad[:3]}"
@@ -145,7 +146,7 @@ def test_gemma3n_runs_eager_and_its_gradients_are_finite_and_exact_on_left_padde
     (want * w).sum().backward()
     oracle = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    lp = engine.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 16, True)
+    lp = engine.token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0, 16, True)
     (lp.logps * w).sum().backward()
     assert max(float((p.grad - oracle[n]).abs().max()) for n, p in model.named_parameters() if n in oracle) < 1e-4
 
@@ -166,7 +167,7 @@ def test_a_state_space_or_hybrid_family_trains_and_samples_exactly(model_type: s
     for i, p in enumerate(prompts):  # greedy equals the model's own generate on the unpadded prompt
         own = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=PAD)
         assert ro.input_ids[2 * i, P:].tolist() == own[0, len(p) :].tolist()
-    rows = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "loss_mask": ro.completion_mask}
+    rows = Batch(input_ids=ro.input_ids, attention_mask=ro.attention_mask, loss_mask=ro.completion_mask)
     with torch.no_grad():  # each recorded log-prob is the model's own forward's
         assert (ro.sample_logps - oracle_logps(model, rows)).abs().max() < 1e-5
     sampled = SamplingSettings(temperature=0.7, top_k=20, max_new_tokens=6)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from gcfamily.core.batch import TOKEN, Batch
+from gcfamily.data.batches import concat
 from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
@@ -32,28 +34,27 @@ def make(cls, **settings):
 # ----------------------------------------------------------------------------- hand-worked
 
 
-def _two_row_batch(log_ratio: list[float], ref_log_rho: list[float]) -> dict:
+def _two_row_batch(log_ratio: list[float], ref_log_rho: list[float]) -> Batch:
     """G = 2 samples of one prompt, each a 1-token prompt and 3 completion tokens."""
     logps = torch.tensor([[0.0, -1.0, -2.0, -0.5]] * 2)  # [2, 4]
     lr = torch.tensor([0.0, *log_ratio])
-    return {
-        "input_ids": torch.zeros(2, 4, dtype=torch.long),
-        "attention_mask": torch.ones(2, 4, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1, 1]] * 2),
-        "rewards": torch.tensor([1.0, 0.0]),
-        "valid": torch.tensor([True, True]),
-        "old_logps": logps - lr,
-        "ref_logps": logps + torch.tensor([0.0, *ref_log_rho]),
-        "logps": logps,
-    }
+    return Batch(
+        input_ids=torch.zeros(2, 4, dtype=torch.long),
+        attention_mask=torch.ones(2, 4, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1, 1]] * 2),
+        rewards=torch.tensor([1.0, 0.0]),
+        valid=torch.tensor([True, True]),
+        old_logps=logps - lr,
+        ref_logps=logps + torch.tensor([0.0, *ref_log_rho]),
+    ).put("logps", logps, TOKEN)
 
 
 def test_grpo_coefficient_by_hand():
     m = make(GRPO, group_size=2, std="population", epsilon=0.2, beta=0.1)
     b, _ = m.add_advantages(_two_row_batch([0.0, math.log(1.5), math.log(0.5)], [0.0, math.log(2.0), -math.log(2.0)]))
     # rewards (1, 0): mean 0.5, population std 0.5, so A = (+1, -1)
-    assert b["advantages"].tolist() == [1.0, -1.0]
-    coef = m.coefficient(b, b["logps"])
+    assert b.advantages.tolist() == [1.0, -1.0]
+    coef = m.coefficient(b, b.own["logps"])
     # ratios (1, 1.5, 0.5) on both rows; eps = 0.2.
     # row A=+1: r=1 -> 1; r=1.5 > 1.2 is clipped -> 0; r=0.5 (A>0, below the band, not clipped) -> 0.5
     # row A=-1: r=1 -> -1; r=1.5 (A<0, above the band, not clipped) -> -1.5; r=0.5 < 0.8 is clipped -> 0
@@ -67,7 +68,7 @@ def test_dapo_clip_higher_by_hand():
     b = _two_row_batch([math.log(1.25), 0.0, 0.0], [0.0, 0.0, 0.0])
     for cls, want in [(GRPO, 0.0), (DAPO, 1.25)]:
         m = make(cls, group_size=2, std="population", beta=0.0)
-        coef = m.coefficient(m.add_advantages(dict(b))[0], b["logps"])
+        coef = m.coefficient(m.add_advantages(b.copy())[0], b.own["logps"])
         assert coef[0, 1].item() == pytest.approx(want)
     assert make(DAPO).norm == "token" and make(DAPO, epsilon_high=0.3).clip_range() == (0.2, 0.3)
 
@@ -104,11 +105,11 @@ def test_advantages_by_hand():
 def test_zero_std_groups_get_zero_advantage_and_are_counted(cls, zero_std):
     m = make(cls, group_size=2, zero_std=zero_std)
     b = _two_row_batch([0.0] * 3, [0.0] * 3)
-    b = {**b, **{k: torch.cat([v, v]) for k, v in b.items()}}  # two groups
-    b["rewards"] = torch.tensor([1.0, 0.0, 0.3, 0.3])  # group 2 has std 0
+    b = concat([b, b])  # two groups
+    b.rewards = torch.tensor([1.0, 0.0, 0.3, 0.3])  # group 2 has std 0
     b, stats = m.add_advantages(b)
-    assert b["advantages"][2:].tolist() == [0.0, 0.0] and stats["grpo/zero_std_frac"] == 0.5
-    assert b["valid"].tolist() == ([True] * 4 if zero_std == "keep" else [True, True, False, False])
+    assert b.advantages[2:].tolist() == [0.0, 0.0] and stats["grpo/zero_std_frac"] == 0.5
+    assert b.valid.tolist() == ([True] * 4 if zero_std == "keep" else [True, True, False, False])
     assert engine.normaliser([b], "token") == (12.0 if zero_std == "keep" else 6.0)
 
 
@@ -140,16 +141,16 @@ def _random_batch(n_groups=4, G=4, L=12, seed=0, with_old=True):
     valid = torch.ones(N, dtype=torch.bool)
     valid[2 * G + 1] = False  # a failed reward
     logps = -3 * torch.rand(N, L, generator=g) * loss_mask  # [N, L]
-    b = {
-        "input_ids": torch.zeros(N, L, dtype=torch.long),
-        "attention_mask": (pos < end).long(),
-        "loss_mask": loss_mask,
-        "rewards": rewards,
-        "valid": valid,
-        "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g)) * loss_mask,
-    }
+    b = Batch(
+        input_ids=torch.zeros(N, L, dtype=torch.long),
+        attention_mask=(pos < end).long(),
+        loss_mask=loss_mask,
+        rewards=rewards,
+        valid=valid,
+        ref_logps=(logps + 0.8 * torch.randn(N, L, generator=g)) * loss_mask,
+    )
     if with_old:
-        b["old_logps"] = (logps + 0.4 * torch.randn(N, L, generator=g)) * loss_mask
+        b.old_logps = (logps + 0.4 * torch.randn(N, L, generator=g)) * loss_mask
     return b, logps
 
 
@@ -172,10 +173,10 @@ def test_engine_gradient_equals_autograd_of_objective(cls, norm, zero_std, beta)
     m = make(cls, loss_norm=norm, zero_std=zero_std, beta=beta, group_size=4, norm_constant=16.0)
     batch, logps = _random_batch()
     batch, _ = m.add_advantages(batch)
-    ratio, adv = torch.exp(logps - batch["old_logps"]), batch["advantages"][:, None].expand_as(logps)
+    ratio, adv = torch.exp(logps - batch.old_logps), batch.advantages[:, None].expand_as(logps)
     mask = engine.effective_mask(batch).bool()
     assert (m.clipped(ratio, adv) & mask & (adv > 0)).any() and (m.clipped(ratio, adv) & mask & (adv < 0)).any()
-    assert (adv[mask] < 0).any() and (batch["advantages"][4:8] == 0).all()
+    assert (adv[mask] < 0).any() and (batch.advantages[4:8] == 0).all()
     want, got = _grads(m, batch, logps)
     assert torch.allclose(got, want, atol=1e-7, rtol=1e-5)
     assert want.abs().sum() > 0
@@ -190,16 +191,16 @@ def test_one_pass_uses_ratio_one(cls):
     want, got = _grads(m, batch, logps)
     assert torch.allclose(got, want, atol=1e-7, rtol=1e-5)
     # with rho = pi_ref/pi: GC = A + beta (rho - 1) exactly
-    rho = torch.exp((batch["ref_logps"] - logps).clamp(-20, 20))
-    gc = (batch["advantages"][:, None] + 0.04 * (rho - 1)) * batch["loss_mask"]
+    rho = torch.exp((batch.ref_logps - logps).clamp(-20, 20))
+    gc = (batch.advantages[:, None] + 0.04 * (rho - 1)) * batch.loss_mask
     assert torch.allclose(m.coefficient(batch, logps), gc, atol=1e-6)
 
 
 def test_kl_clamp_is_in_objective_and_coefficient():
     m = make(GRPO, beta=0.5, group_size=4)
     batch, logps = _random_batch(with_old=False)
-    batch["ref_logps"][0, 4] = logps[0, 4] + 30.0  # positions 4 and 5 are completion tokens in every row
-    batch["ref_logps"][1, 5] = logps[1, 5] - 30.0
+    batch.ref_logps[0, 4] = logps[0, 4] + 30.0  # positions 4 and 5 are completion tokens in every row
+    batch.ref_logps[1, 5] = logps[1, 5] - 30.0
     want, got = _grads(m, m.add_advantages(batch)[0], logps)
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-7, rtol=1e-5)
 
@@ -223,14 +224,10 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     m = tr.method
     batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(1)
-    batch["old_logps"] = (
-        batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape, generator=g) * batch["loss_mask"]
-    )
-    batch["ref_logps"] = (
-        batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
-    )
-    if not (batch["advantages"] != 0).any():
-        batch["rewards"] = torch.arange(8.0) % 3  # the random model rarely scores: make the groups differ
+    batch.old_logps = batch.old_logps + 0.3 * torch.randn(batch.old_logps.shape, generator=g) * batch.loss_mask
+    batch.ref_logps = batch.ref_logps + 0.3 * torch.randn(batch.ref_logps.shape, generator=g) * batch.loss_mask
+    if not (batch.advantages != 0).any():
+        batch.rewards = torch.arange(8.0) % 3  # the random model rarely scores: make the groups differ
         batch, _ = m.add_advantages(batch)
     from conftest import assert_engine_grad_matches_objective
 
@@ -243,14 +240,14 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
 def test_prepare_computes_only_what_is_needed(tiny_trainer, tmp_path):
     tr = tiny_trainer
     batch, _ = tr.method.prepare(tr.method.data(0)[0])
-    m = batch["loss_mask"].bool()
+    m = batch.loss_mask.bool()
     # mu = 2: pi_old comes from a forward pass, which agrees with the sampler's log-probs
-    assert (batch["old_logps"][m] - batch["sample_logps"][m]).abs().max() < 1e-4
-    assert torch.allclose(batch["ref_logps"], batch["old_logps"], atol=1e-5)  # before any step, ref == policy
+    assert (batch.old_logps[m] - batch.sample_logps[m]).abs().max() < 1e-4
+    assert torch.allclose(batch.ref_logps, batch.old_logps, atol=1e-5)  # before any step, ref == policy
     one = Trainer(Config(method="grpo", model="tiny", task="arithmetic", output_dir=str(tmp_path), beta=0.0, **FAST))
     assert one.method.ref is None  # no reference model at all when beta = 0
     b, _ = one.method.prepare(one.method.data(0)[0])
-    assert "old_logps" not in b and "ref_logps" not in b
+    assert b.old_logps is None and b.ref_logps is None
 
 
 def test_reference_refresh_and_exact_resume(tmp_path):
@@ -317,10 +314,10 @@ def test_raising_reward_masks_the_sample_and_is_counted(tmp_path):
     batch, stats = tr.method.data(0)
     batch, more = tr.method.prepare(batch)
     stats = {**stats, **more}
-    failed = ~batch["valid"]
+    failed = ~batch.valid
     assert failed.tolist() == [i % 5 == 4 for i in range(8)]  # the 5th sample of 8
     assert stats["reward/failed"] == 1.0
-    assert (batch["advantages"][failed] == 0).all()
+    assert (batch.advantages[failed] == 0).all()
     assert engine.effective_mask(batch)[failed].sum() == 0  # no gradient, not in Z
     assert engine.normaliser([batch], "sequence") == 7.0
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from gcfamily.core.batch import Batch
 from gcfamily import check
 from gcfamily.config import Config
 from gcfamily.methods import get_method
@@ -62,26 +63,26 @@ def _outcome_batch() -> dict:
     R, at = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
     last = 1 + lengths
     R[torch.arange(N), last], at[torch.arange(N), last] = rewards, True
-    return {
-        "input_ids": torch.randint(0, 5, (N, L), generator=g),
-        "attention_mask": (pos < 2 + lengths[:, None]).long(),
-        "loss_mask": loss_mask,
-        "rewards": rewards,
-        "valid": torch.ones(N, dtype=torch.bool),
-        "step_rewards": R,
-        "step_mask": at,
-    }
+    return Batch(
+        input_ids=torch.randint(0, 5, (N, L), generator=g),
+        attention_mask=(pos < 2 + lengths[:, None]).long(),
+        loss_mask=loss_mask,
+        rewards=rewards,
+        valid=torch.ones(N, dtype=torch.bool),
+        step_rewards=R,
+        step_mask=at,
+    )
 
 
 @pytest.mark.parametrize("std", ["sample", "population"])
 def test_outcome_rewards_give_grpos_gradient(std: str) -> None:
     batch = _outcome_batch()
-    logps = -torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(1)) * batch["loss_mask"]
+    logps = -torch.rand(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
     coefs = []
     for name in ("grpo", "grpo-ps"):
         m = get_method(name)(Config(method=name, group_size=4, beta=0.0, std=std, std_eps=1e-4))
-        prepared, _ = m.add_advantages({k: v.clone() for k, v in batch.items()})
-        coefs.append(m.coefficient(prepared, logps) * batch["loss_mask"])
+        prepared, _ = m.add_advantages(batch.clone())
+        coefs.append(m.coefficient(prepared, logps) * batch.loss_mask)
     assert coefs[0].abs().max() > 0.1  # a real gradient, equal on every completion token
     assert torch.allclose(coefs[0], coefs[1], atol=1e-7, rtol=0)
 

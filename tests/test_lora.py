@@ -77,12 +77,14 @@ def test_adapter_gradient_equals_autograd_of_the_objective(tmp_path, method, kw)
     trainable = [n for n, p in tr.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)  # the base is frozen
     batch, _ = tr.method.prepare(tr.method.data(0)[0])
-    if "ref_logps" in batch:  # the reference (adapters off) differs from the perturbed policy: the KL term is live
+    if (
+        batch.ref_logps is not None
+    ):  # the reference (adapters off) differs from the perturbed policy: the KL term is live
         lp = tr.services.logprobs(tr.unwrapped_policy(), batch)
-        assert (lp - batch["ref_logps"]).abs().max() > 1e-3
+        assert (lp - batch.ref_logps).abs().max() > 1e-3
     assert_engine_grad_matches_objective(tr, batch, micro=2)  # several micro-batches, pairs kept whole
     tr.policy.zero_grad()
-    lp = engine.token_logprobs(tr.policy, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).logps
+    lp = engine.token_logprobs(tr.policy, batch.input_ids, batch.attention_mask, batch.loss_mask).logps
     (-tr.method.objective(batch, lp, 1.0)).backward()
     grads = {n: p.grad for n, p in tr.policy.named_parameters() if p.requires_grad}
     assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_A" in n)  # A and B both learn

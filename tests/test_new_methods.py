@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_engine_grad_matches_objective, metrics_rows
+from gcfamily.core.batch import Batch, TOKEN
 from gcfamily.core import engine
 from gcfamily.config import Config
 from gcfamily.data.batches import select
@@ -70,15 +71,15 @@ def rollout_batch(G=4, n=4, L=12, seed=0, old_noise=0.4):
     valid = torch.ones(N, dtype=torch.bool)
     valid[2 * G + 1] = False  # a failed reward
     logps = -3 * torch.rand(N, L, generator=g) * loss_mask  # [N, L]
-    batch = {
-        "input_ids": torch.zeros(N, L, dtype=torch.long),
-        "attention_mask": (pos < end).long(),
-        "loss_mask": loss_mask,
-        "rewards": rewards,
-        "valid": valid,
-        "ref_logps": (logps + 0.5 * torch.randn(N, L, generator=g)) * loss_mask,
-        "old_logps": (logps + old_noise * torch.randn(N, L, generator=g)) * loss_mask,
-    }
+    batch = Batch(
+        input_ids=torch.zeros(N, L, dtype=torch.long),
+        attention_mask=(pos < end).long(),
+        loss_mask=loss_mask,
+        rewards=rewards,
+        valid=valid,
+        ref_logps=(logps + 0.5 * torch.randn(N, L, generator=g)) * loss_mask,
+        old_logps=(logps + old_noise * torch.randn(N, L, generator=g)) * loss_mask,
+    )
     return batch, logps
 
 
@@ -91,13 +92,13 @@ def pair_batch(P=6, L=12, seed=0):
     loss_mask = ((pos >= prompt) & (pos < end)).long()  # [B, L]
     ref = -3 * torch.rand(B, L, generator=g, dtype=torch.float64) * loss_mask
     logps = (ref + torch.randn(B, L, generator=g, dtype=torch.float64)).clamp(max=-0.05) * loss_mask
-    return {
-        "input_ids": torch.zeros(B, L, dtype=torch.long),
-        "attention_mask": (pos < end).long(),
-        "loss_mask": loss_mask,
-        "ref_logps": ref,
-        "example_weight": torch.full((B,), 0.5),
-    }, logps
+    return Batch(
+        input_ids=torch.zeros(B, L, dtype=torch.long),
+        attention_mask=(pos < end).long(),
+        loss_mask=loss_mask,
+        ref_logps=ref,
+        example_weight=torch.full((B,), 0.5),
+    ), logps
 
 
 def two_steps(tmp_path, cls, **extra):
@@ -136,16 +137,16 @@ def test_gspo_coefficient_by_hand():
         ]
     )
     logps = torch.full((4, 3), -1.0)
-    b = {
-        "input_ids": torch.zeros(4, 3, dtype=torch.long),
-        "attention_mask": torch.ones(4, 3, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1]] * 4),
-        "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]),
-        "valid": torch.ones(4, dtype=torch.bool),
-        "old_logps": logps - torch.cat([torch.zeros(4, 1), lr], 1),
-    }
+    b = Batch(
+        input_ids=torch.zeros(4, 3, dtype=torch.long),
+        attention_mask=torch.ones(4, 3, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1]] * 4),
+        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        valid=torch.ones(4, dtype=torch.bool),
+        old_logps=logps - torch.cat([torch.zeros(4, 1), lr], 1),
+    )
     b, _ = m.add_advantages(b)
-    assert b["advantages"].tolist() == [1.0, -1.0, -1.0, 1.0]  # each group (1, 0): mean 1/2, population std 1/2
+    assert b.advantages.tolist() == [1.0, -1.0, -1.0, 1.0]  # each group (1, 0): mean 1/2, population std 1/2
     # row 0, A=+1: s = exp((ln2 + 0)/2) = 1.414 > 1.2: clipped high -> 0 on both tokens
     # row 1, A=-1: s = exp(ln 0.9) = 0.9 in [0.8, 1.2] -> s A = -0.9 on both tokens
     # row 2, A=-1: s = exp((ln 0.5 + ln 0.125)/2) = 0.25 < 0.8: clipped low -> 0
@@ -153,18 +154,20 @@ def test_gspo_coefficient_by_hand():
     want = torch.tensor([[0, 0, 0], [0, -0.9, -0.9], [0, 0, 0], [0, 1.0, 1.0]])
     assert torch.allclose(m.coefficient(b, logps), want, atol=1e-6)
     grpo = make(GRPO, group_size=2, std="population", epsilon=0.2, beta=0.0)
-    assert grpo.coefficient(grpo.add_advantages(dict(b))[0], logps)[3, 1] == 0  # the contrast: token 1 of row 3 clipped
+    assert (
+        grpo.coefficient(grpo.add_advantages(b.copy())[0], logps)[3, 1] == 0
+    )  # the contrast: token 1 of row 3 clipped
     assert make(GSPO).clip_range() == (3e-4, 4e-4) and make(GSPO).settings.beta == 0.0  # the paper's section 5.1
 
 
 def gspo_textbook(batch, logps, beta, lo, hi, Z, norm):
     """GSPO's eq. 5 from the paper (A_i given), minus beta * the k3 KL, aggregated as loss_norm says; to minimise."""
-    mask, valid = batch["loss_mask"].double(), batch["valid"].double()
+    mask, valid = batch.loss_mask.double(), batch.valid.double()
     n = mask.sum(-1)
-    s = torch.exp(((logps - batch["old_logps"]) * mask).sum(-1) / n)  # [B]
-    A = batch["advantages"].double()
+    s = torch.exp(((logps - batch.old_logps) * mask).sum(-1) / n)  # [B]
+    A = batch.advantages.double()
     seq = torch.minimum(s * A, torch.clamp(s, 1 - lo, 1 + hi) * A)  # [B]
-    rho = torch.exp(batch["ref_logps"] - logps)
+    rho = torch.exp(batch.ref_logps - logps)
     k3 = ((rho - torch.log(rho) - 1) * mask).sum(-1)  # [B]
     per_row_weight = valid if norm == "sequence" else valid * n  # sum_t w_t of row i
     kl_weight = valid / n if norm == "sequence" else valid
@@ -178,7 +181,7 @@ def test_gspo_engine_gradient_equals_autograd(norm):
     batch, logps = rollout_batch(old_noise=0.02)
     batch, _ = m.add_advantages(batch)
     s, _ = m.importance_ratio(batch, logps)
-    s, A, ok = s[:, 0], batch["advantages"], batch["valid"]
+    s, A, ok = s[:, 0], batch.advantages, batch.valid
     low, high = ok & (A < 0) & (s < 1 - 3e-4), ok & (A > 0) & (s > 1 + 4e-4)
     free = ok & (A != 0) & ~low & ~high
     assert low.any() and high.any() and free.any(), (low, high, free)
@@ -186,7 +189,7 @@ def test_gspo_engine_gradient_equals_autograd(norm):
     assert torch.allclose(got, want, atol=1e-7, rtol=1e-5) and want.abs().sum() > 0
     paper = textbook_grad(lambda lp: gspo_textbook(batch, lp.double(), 0.04, 3e-4, 4e-4, Z, norm), logps)
     assert torch.allclose(got, paper.float(), atol=1e-6, rtol=1e-4)
-    assert (got[low | high] * batch["loss_mask"][low | high] != 0).sum() > 0  # the KL term still reaches clipped rows
+    assert (got[low | high] * batch.loss_mask[low | high] != 0).sum() > 0  # the KL term still reaches clipped rows
     metrics = m.metrics(batch, logps, got)
     assert metrics["gspo/seq_clip_frac"] == pytest.approx(float((low | high).sum()) / float(ok.sum()))
 
@@ -220,12 +223,12 @@ def test_reinforce_advantages_by_hand():
     )
     assert torch.allclose(scaled, torch.tensor([[1.0, 0.0], [0.5, 0.5]]) / math.sqrt(0.5 / 3))
     b, stats = m.add_advantages(
-        {"rewards": torch.tensor([0.3, 0.3, 0.3, 0.3]), "valid": torch.ones(4, dtype=torch.bool)}
+        Batch(rewards=torch.tensor([0.3, 0.3, 0.3, 0.3]), valid=torch.ones(4, dtype=torch.bool))
     )
-    assert stats["reinforce/zero_std_frac"] == 0.0 and torch.allclose(b["advantages"], torch.full((4,), 0.3 - 5 / 6))
+    assert stats["reinforce/zero_std_frac"] == 0.0 and torch.allclose(b.advantages, torch.full((4,), 0.3 - 5 / 6))
     # the step's mean is the global batch's: another process adds (sum 3, count 4), so (1 + 3) / 8 = 0.5 joins b
     m.pending, m.services = None, SimpleNamespace(all_sum=lambda t: t + torch.tensor([3.0, 4.0], dtype=t.dtype))
-    m.add_advantages({"rewards": torch.full((4,), 0.25), "valid": torch.ones(4, dtype=torch.bool)})
+    m.add_advantages(Batch(rewards=torch.full((4,), 0.25), valid=torch.ones(4, dtype=torch.bool)))
     m.after_step(3)  # m_3 = 0.5 * 0.625 + 0.5 * 0.5 = 0.5625; b_3 = 0.5625 / (1 - 0.125) = 9/14
     assert m.baseline == pytest.approx(9 / 14, abs=1e-15)
     with pytest.raises(GcfError, match="scale_rewards"):
@@ -240,10 +243,10 @@ def test_reinforce_engine_gradient_equals_autograd():
     m.baseline_ema, m.baseline_steps = 0.16, 1  # b = 0.16 / (1 - 0.8) = 0.8
     batch, logps = rollout_batch()
     batch, _ = m.add_advantages(batch)
-    R, ok = batch["rewards"], batch["valid"]
-    assert torch.allclose(batch["advantages"], torch.where(ok, R - 0.8, 0.0))  # the oracle: R - b
-    assert (batch["advantages"][4:8] == 0.5 - 0.8).all()  # the equal-reward group keeps R - b != 0
-    ratio, adv = torch.exp(logps - batch["old_logps"]), batch["advantages"][:, None].expand_as(logps)
+    R, ok = batch.rewards, batch.valid
+    assert torch.allclose(batch.advantages, torch.where(ok, R - 0.8, 0.0))  # the oracle: R - b
+    assert (batch.advantages[4:8] == 0.5 - 0.8).all()  # the equal-reward group keeps R - b != 0
+    ratio, adv = torch.exp(logps - batch.old_logps), batch.advantages[:, None].expand_as(logps)
     clipped, mask = m.clipped(ratio, adv), engine.effective_mask(batch).bool()
     assert (clipped & mask & (adv > 0)).any() and (clipped & mask & (adv < 0)).any()
     want, got, _ = grads(m, batch, logps)
@@ -294,28 +297,25 @@ def fake_rollout(G=3):
     logps = torch.full((N, 3), -1.0, dtype=torch.float64) * torch.tensor([0, 1, 1])
     ref = logps.clone()
     ref[1, 1:] = -1 - L3  # prompt 0's best sample (index 1): Delta = 2 ln 3
-    return {
-        "input_ids": torch.arange(N)[:, None].expand(N, 3).clone(),
-        "attention_mask": torch.ones(N, 3, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1]] * N),
-        "completions": [f"c{i}" for i in range(N)],
-        "rewards": torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 5.0, 1.0, 0.0]),
-        "valid": torch.tensor([True] * 6 + [False, True, True]),
-        "fake_ref": ref,
-    }, logps
+    return Batch(
+        input_ids=torch.arange(N)[:, None].expand(N, 3).clone(),
+        attention_mask=torch.ones(N, 3, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1]] * N),
+        completions=[f"c{i}" for i in range(N)],
+        rewards=torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 5.0, 1.0, 0.0]),
+        valid=torch.tensor([True] * 6 + [False, True, True]),
+    ).put("fake_ref", ref, TOKEN), logps
 
 
 def test_online_dpo_pairs_and_coefficient_by_hand():
     m = make(OnlineDPO, group_size=3, beta=0.5)
-    m.services, m.ref = SimpleNamespace(logprobs=lambda model, b, T: b["fake_ref"]), None
+    m.services, m.ref = SimpleNamespace(logprobs=lambda model, b, T: b.own["fake_ref"]), None
     rollout, logps = fake_rollout()
     pairs, stats = m.prepare(rollout)
     # prompt 0: rewards (0.2, 0.9, 0.5): best sample 1, worst 0. Prompt 1: all 0.3, skipped.
     # prompt 2: the 5.0 failed (valid False), so best is sample 7 (1.0) and worst sample 8 (0.0)
-    assert pairs["completions"] == ["c1", "c0", "c3", "c3", "c7", "c8"]
-    assert (
-        pairs["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
-    )
+    assert pairs.completions == ["c1", "c0", "c3", "c3", "c7", "c8"]
+    assert pairs.valid.tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
     assert stats["online_dpo/reward_gap"] == pytest.approx((0.7 + 1.0) / 2)
     lp = logps[torch.tensor([1, 0, 3, 3, 7, 8])]
     # pair 0: h_w = 0.5 * 2 ln 3 = ln 3, h_l = 0: sigmoid(-ln 3) = 1/4, GC = beta / 4 = 1/8 on chosen, -1/8 on rejected
@@ -343,24 +343,20 @@ def test_online_dpo_engine_gradient_through_the_tiny_model(tmp_path, reward):
     )
     m = tr.method
     rollout, _ = m.data(0)
-    rollout["rewards"] = torch.tensor(
+    rollout.rewards = torch.tensor(
         [0.0, 2.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.5, 0.0, 0.0, 4.0]
     )  # prompt 1's group is all equal
     batch, stats = m.prepare(rollout)
-    assert (
-        batch["valid"].tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
-    )
-    assert batch["rewards"].tolist() == [2.0, 0.0, 3.0, 3.0, 4.0, 0.0]
+    assert batch.valid.tolist() == [True, True, False, False, True, True] and stats["online_dpo/skipped_prompts"] == 1.0
+    assert batch.rewards.tolist() == [2.0, 0.0, 3.0, 3.0, 4.0, 0.0]
     g = torch.Generator().manual_seed(0)
-    batch["ref_logps"] = (
-        batch["ref_logps"] + 0.5 * torch.randn(batch["ref_logps"].shape, generator=g) * batch["loss_mask"]
-    )
+    batch.ref_logps = batch.ref_logps + 0.5 * torch.randn(batch.ref_logps.shape, generator=g) * batch.loss_mask
     assert_engine_grad_matches_objective(tr, batch, micro=2)
     # the textbook: DPO's loss (Rafailov et al. eq. 7) averaged over the pairs formed, here on random log-probs
-    lp = (batch["ref_logps"] + 0.3 * torch.randn(batch["ref_logps"].shape, generator=g)) * batch["loss_mask"]
+    lp = (batch.ref_logps + 0.3 * torch.randn(batch.ref_logps.shape, generator=g)) * batch.loss_mask
 
     def dpo_textbook(x):
-        d = ((x - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)
+        d = ((x - batch.ref_logps) * batch.loss_mask).sum(-1)
         return -F.logsigmoid(0.1 * (d[0::2] - d[1::2]))[[0, 2]].mean()
 
     want, got, _ = grads(m, batch, lp, micro=2)
@@ -380,14 +376,14 @@ def test_online_dpo_two_steps(tmp_path, reward):
 def test_kto_coefficient_and_z0_by_hand():
     m = make(KTO, beta=1.0, desirable_weight=1.0, undesirable_weight=2.0)
     logps = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], dtype=torch.float64)
-    b = {
-        "input_ids": torch.zeros(2, 3, dtype=torch.long),
-        "attention_mask": torch.ones(2, 3, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1]] * 2),
-        "ref_logps": logps - torch.tensor([0, L3 / 2, L3 / 2]),
-        "desirable": torch.tensor([True, False]),
-        "kto_z0": 0.0,
-    }
+    b = Batch(
+        input_ids=torch.zeros(2, 3, dtype=torch.long),
+        attention_mask=torch.ones(2, 3, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1]] * 2),
+        ref_logps=logps - torch.tensor([0, L3 / 2, L3 / 2]),
+        desirable=torch.tensor([True, False]),
+        z0=0.0,
+    )
     # r = ln 3 on both rows, z0 = 0, beta = 1.
     # desirable: s = sigmoid(ln 3) = 3/4, GC = 1 * 1 * (3/4)(1/4) = 3/16
     # undesirable: s = sigmoid(-ln 3) = 1/4, GC = -2 * 1 * (1/4)(3/4) = -3/8
@@ -396,49 +392,47 @@ def test_kto_coefficient_and_z0_by_hand():
     )
     # z0: prepare's mismatched rows have sum_t log(pi/pi_ref) of 0.6 and -0.2 -> mean 0.2; with -0.6 and 0.2 it is clamped to 0
     for kl, z0 in [((0.6, -0.2), 0.2), ((-0.6, 0.2), 0.0)]:
-        kl_batch = {
-            "loss_mask": torch.tensor([[0, 1, 1]] * 2),
-            "pi": torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]),
-            "ref": torch.zeros(2, 3),
-        }
+        kl_batch = (
+            Batch(
+                input_ids=torch.zeros(2, 3, dtype=torch.long),
+                attention_mask=torch.ones(2, 3, dtype=torch.long),
+                loss_mask=torch.tensor([[0, 1, 1]] * 2),
+            )
+            .put("pi", torch.tensor([[0.0, kl[0], 0], [0, 0, kl[1]]]), TOKEN)
+            .put("ref", torch.zeros(2, 3), TOKEN)
+        )
         m.services, m.ref = (
-            SimpleNamespace(logprobs=lambda model, x: x[model], policy=lambda: "pi", all_sum=lambda t: t),
+            SimpleNamespace(logprobs=lambda model, x: x.own[model], policy=lambda: "pi", all_sum=lambda t: t),
             "ref",
         )
-        out, stats = m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})
-        assert (
-            out["kto_z0"] == pytest.approx(z0)
-            and stats["kto/kl"] == pytest.approx(sum(kl) / 2)
-            and "kl_batch" not in out
-        )
+        out, stats = m.prepare(b.replaced(kl_pairs=kl_batch).put("ref", b.ref_logps, TOKEN))
+        assert out.z0 == pytest.approx(z0) and stats["kto/kl"] == pytest.approx(sum(kl) / 2) and out.kl_pairs is None
     # over every process: another one's two rows sum to 1.0, so z0 = (-0.6 + 0.2 + 1.0) / 4 = 0.15
     m.services.all_sum = lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype)
-    assert m.prepare({**b, "ref": b["ref_logps"], "kl_batch": kl_batch})[0]["kto_z0"] == pytest.approx(0.15)
+    assert m.prepare(b.replaced(kl_pairs=kl_batch).put("ref", b.ref_logps, TOKEN))[0].z0 == pytest.approx(0.15)
 
 
 def kto_textbook(batch, logps, beta, lam_d, lam_u):
     """The paper's eq. 8 with z0 held fixed: mean over examples of lambda_y - v(x, y)."""
-    r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)
-    z0 = batch["kto_z0"]
-    v = torch.where(batch["desirable"], lam_d * torch.sigmoid(beta * (r - z0)), lam_u * torch.sigmoid(beta * (z0 - r)))
-    lam = torch.where(batch["desirable"], lam_d, lam_u)
+    r = ((logps - batch.ref_logps) * batch.loss_mask).sum(-1)
+    z0 = batch.z0
+    v = torch.where(batch.desirable, lam_d * torch.sigmoid(beta * (r - z0)), lam_u * torch.sigmoid(beta * (z0 - r)))
+    lam = torch.where(batch.desirable, lam_d, lam_u)
     return (lam - v).mean()
 
 
 def test_kto_engine_gradient_equals_autograd():
     m = make(KTO, beta=0.5, desirable_weight=1.0, undesirable_weight=1.5)
     batch, logps = pair_batch()
-    del batch["example_weight"]
-    batch["desirable"] = torch.tensor([True, False, False, True, True, False, True, True, False, False, True, False])
-    batch["kto_z0"] = 0.7
-    r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)
+    del batch.example_weight
+    batch.desirable = torch.tensor([True, False, False, True, True, False, True, True, False, False, True, False])
+    batch.z0 = 0.7
+    r = ((logps - batch.ref_logps) * batch.loss_mask).sum(-1)
     assert (r > 0.7).any() and (r < 0.7).any()  # both sides of the reference point, both labels
     want, got, Z = grads(m, batch, logps)
     assert Z == 12.0 and torch.allclose(got, want)
     assert torch.allclose(got, textbook_grad(lambda x: kto_textbook(batch, x, 0.5, 1.0, 1.5), logps))
-    assert (got[batch["desirable"]].sum(-1) < 0).all() and (
-        got[~batch["desirable"]].sum(-1) > 0
-    ).all()  # d loss: down / up
+    assert (got[batch.desirable].sum(-1) < 0).all() and (got[~batch.desirable].sum(-1) > 0).all()  # d loss: down / up
 
 
 def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
@@ -449,7 +443,7 @@ def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
     ex = [tr.method.examples[i] for i in tr.method.step_indices(len(tr.method.examples), 0)]
     for j, (p, _) in enumerate(ex):
         c = ex[(j + 1) % len(ex)][1]
-        assert b["kl_batch"]["input_ids"][j, : len(p) + len(c)].tolist() == p + c
+        assert b.kl_pairs.input_ids[j, : len(p) + len(c)].tolist() == p + c
     data = tmp_path / "kto.jsonl"
     data.write_text(
         '{"prompt": "1+1=", "completion": "2", "label": true}\n{"prompt": "2+2=", "completion": "5", "label": false}\n'
@@ -468,12 +462,12 @@ def test_kto_two_steps_on_the_task_and_from_a_file(tmp_path):
 def test_orpo_coefficient_by_hand():
     m = make(ORPO, orpo_lambda=0.5)
     logps = torch.tensor([[0.0, math.log(0.5), math.log(0.5)], [0.0, math.log(0.2), 0.0]], dtype=torch.float64)
-    b = {
-        "input_ids": torch.zeros(2, 3, dtype=torch.long),
-        "attention_mask": torch.ones(2, 3, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]),
-        "example_weight": torch.full((2,), 0.5),
-    }
+    b = Batch(
+        input_ids=torch.zeros(2, 3, dtype=torch.long),
+        attention_mask=torch.ones(2, 3, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1], [0, 1, 0]]),
+        example_weight=torch.full((2,), 0.5),
+    )
     # chosen: mean log-prob ln 0.5, P = 1/2, odds 1, log odds 0; rejected (1 token): P = 0.2, odds 1/4, log odds -ln 4
     # z = ln 4, sigmoid(-z) = 1/5. chosen GC = (1 + 0.5 * (1/5) / (1/2)) / 2 = 0.6; rejected GC = -0.5 * (1/5) / (0.8 * 1) = -0.125
     assert torch.allclose(m.coefficient(b, logps), torch.tensor([[0, 0.6, 0.6], [0, -0.125, 0]], dtype=torch.float64))
@@ -484,7 +478,7 @@ def test_orpo_coefficient_by_hand():
 
 def orpo_textbook(batch, logps, lam):
     """Hong et al. eqs. 6-8: chosen NLL (token mean) + lambda * -log sigmoid(log(odds_w / odds_l)), mean over pairs."""
-    mask = batch["loss_mask"].double()
+    mask = batch.loss_mask.double()
     p = torch.exp((logps * mask).sum(-1) / mask.sum(-1))  # [B] P(o) = exp(mean log-prob)
     odds = p / (1 - p)
     l_or = -torch.log(torch.sigmoid(torch.log(odds[0::2] / odds[1::2])))
@@ -498,7 +492,7 @@ def test_orpo_engine_gradient_equals_autograd(seed):
     want, got, Z = grads(m, batch, logps)
     assert Z == 6.0 and torch.allclose(got, want)
     assert torch.allclose(got, textbook_grad(lambda x: orpo_textbook(batch, x, 0.3), logps))
-    assert (got[1::2] * batch["loss_mask"][1::2] >= 0).all() and (
+    assert (got[1::2] * batch.loss_mask[1::2] >= 0).all() and (
         got[0::2].sum(-1) < 0
     ).all()  # rejected pushed down, chosen up
 

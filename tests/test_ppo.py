@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
@@ -62,12 +63,12 @@ def test_gae_by_hand():
 
 def test_token_rewards_terminal_and_kl_in_reward_by_hand():
     m = make(beta=0.1, kl_placement="reward")
-    batch = {
-        "loss_mask": torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]),
-        "rewards": torch.tensor([2.0, 5.0]),
-        "valid": torch.tensor([True, False]),
-        "ref_logps": torch.tensor([[0, -1.0, -2.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]]),
-    }
+    batch = Batch(
+        loss_mask=torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]),
+        rewards=torch.tensor([2.0, 5.0]),
+        valid=torch.tensor([True, False]),
+        ref_logps=torch.tensor([[0, -1.0, -2.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]]),
+    )
     old = torch.tensor([[0, -1.5, -1.0, -1.0, 0], [0, 0, -1.0, -1.0, -1.0]])
     r = m.token_rewards(batch, old)
     # row 0: -beta * log(pi_old/pi_ref) = -0.1 * (-0.5, 1.0, 0.0) = (0.05, -0.1, 0), and R = 2 on the last token
@@ -119,28 +120,28 @@ def _random_batch(N=12, L=10, seed=0, with_old=True):
     logps = -3 * torch.rand(N, L, generator=g, dtype=torch.float64) * loss_mask  # [N, L]
     valid = torch.ones(N, dtype=torch.bool)
     valid[3] = False
-    b = {
-        "input_ids": torch.zeros(N, L, dtype=torch.long),
-        "attention_mask": (pos < end).long(),
-        "loss_mask": loss_mask,
-        "valid": valid,
-        "advantages": torch.randn(N, L, generator=g, dtype=torch.float64) * loss_mask,
-        "ref_logps": (logps + 0.8 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask,
-    }
+    b = Batch(
+        input_ids=torch.zeros(N, L, dtype=torch.long),
+        attention_mask=(pos < end).long(),
+        loss_mask=loss_mask,
+        valid=valid,
+        token_advantages=torch.randn(N, L, generator=g, dtype=torch.float64) * loss_mask,
+        ref_logps=(logps + 0.8 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask,
+    )
     if with_old:
-        b["old_logps"] = (logps + 0.4 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask
+        b.old_logps = (logps + 0.4 * torch.randn(N, L, generator=g, dtype=torch.float64)) * loss_mask
     return b, logps
 
 
 def textbook_ppo(batch, logps, eps, beta, norm, Z):
     """J = aggregate_t[min(r A, clip(r, 1-eps, 1+eps) A) - beta * (rho - log rho - 1)], written out independently."""
-    r = torch.exp(logps - batch["old_logps"])
-    A = batch["advantages"]
+    r = torch.exp(logps - batch.old_logps)
+    A = batch.token_advantages
     surrogate = torch.minimum(r * A, torch.clamp(r, 1 - eps, 1 + eps) * A)
-    log_rho = batch["ref_logps"] - logps
+    log_rho = batch.ref_logps - logps
     k3 = torch.exp(log_rho) - log_rho - 1
-    mask = batch["loss_mask"] * batch["valid"][:, None]
-    w = mask / batch["loss_mask"].sum(-1, keepdim=True) if norm == "sequence" else mask
+    mask = batch.loss_mask * batch.valid[:, None]
+    w = mask / batch.loss_mask.sum(-1, keepdim=True) if norm == "sequence" else mask
     return ((surrogate - beta * k3) * w).sum() / Z
 
 
@@ -149,8 +150,8 @@ def textbook_ppo(batch, logps, eps, beta, norm, Z):
 def test_gradient_equals_autograd_of_the_textbook_clipped_objective(norm, beta):
     m = make(loss_norm=norm, beta=beta, epsilon=0.2, mu=2)
     batch, logps = _random_batch()
-    r = torch.exp(logps - batch["old_logps"])
-    A, mask = batch["advantages"], engine.effective_mask(batch).bool()
+    r = torch.exp(logps - batch.old_logps)
+    A, mask = batch.token_advantages, engine.effective_mask(batch).bool()
     assert (m.clipped(r, A) & mask & (A > 0)).any() and (m.clipped(r, A) & mask & (A < 0)).any()  # both clip sides
     Z = engine.normaliser(split_batch(batch, 5), m.norm)  # the step's Z over micro-batches of 5
     lp = logps.clone().requires_grad_(True)
@@ -166,11 +167,11 @@ def test_one_pass_has_ratio_one_and_kl_in_reward_has_no_loss_term():
     batch, logps = _random_batch(with_old=False)
     # mu = 1: pi_old is the detached current policy, GC = A_t + beta * (rho - 1) exactly
     m = make(beta=0.05)
-    rho = torch.exp(batch["ref_logps"] - logps)
-    assert torch.allclose(m.coefficient(batch, logps), (batch["advantages"] + 0.05 * (rho - 1)) * batch["loss_mask"])
+    rho = torch.exp(batch.ref_logps - logps)
+    assert torch.allclose(m.coefficient(batch, logps), (batch.token_advantages + 0.05 * (rho - 1)) * batch.loss_mask)
     # kl_in_reward: the KL went into the rewards, so GC = A_t alone
     m = make(beta=0.05, kl_placement="reward")
-    assert torch.allclose(m.coefficient(batch, logps), batch["advantages"] * batch["loss_mask"])
+    assert torch.allclose(m.coefficient(batch, logps), batch.token_advantages * batch.loss_mask)
 
 
 # ----------------------------------------------------------------------------- the critic on a tiny model
@@ -198,13 +199,13 @@ def test_prepare_at_the_start(tiny_trainer):
     m = tiny_trainer.method
     assert m.ref is None  # beta = 0: no reference model at all
     batch, _ = m.prepare(m.data(0)[0])
-    assert "old_logps" not in batch and "ref_logps" not in batch  # one pass: ratio 1, no pi_old forward
-    mask = batch["loss_mask"].bool()
-    assert (batch["values"] == 0).all()
-    R = torch.where(batch["valid"], batch["rewards"], 0.0)[:, None].expand_as(mask)
-    assert torch.allclose(batch["returns"][mask], R[mask])
+    assert batch.old_logps is None and batch.ref_logps is None  # one pass: ratio 1, no pi_old forward
+    mask = batch.loss_mask.bool()
+    assert (batch.values == 0).all()
+    R = torch.where(batch.valid, batch.rewards, 0.0)[:, None].expand_as(mask)
+    assert torch.allclose(batch.returns[mask], R[mask])
     valid = engine.effective_mask(batch).bool()
-    a = batch["advantages"][valid]
+    a = batch.token_advantages[valid]
     if a.std() > 0:
         assert a.mean().abs() < 1e-5 and (a.std() - 1).abs() < 1e-4  # whitened
 
@@ -212,9 +213,7 @@ def test_prepare_at_the_start(tiny_trainer):
 def test_critic_step_is_one_per_optimizer_step_and_independent_of_micro_batching(tiny_trainer):
     m = tiny_trainer.method
     batch, _ = m.prepare(m.data(1)[0])
-    batch["returns"] = (
-        torch.rand(batch["returns"].shape, generator=torch.Generator().manual_seed(0)) * batch["loss_mask"]
-    )
+    batch.returns = torch.rand(batch.returns.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
     seen = []
     handle = m.critic_optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: seen.append([p.grad.clone() for p in m.critic.parameters()])
@@ -242,12 +241,10 @@ def test_value_loss_falls_on_fixed_returns(tiny_trainer):
     state = copy.deepcopy(m.state_dict())
     batch, _ = m.prepare(m.data(2)[0])
     g = torch.Generator().manual_seed(1)
-    batch["returns"] = (
-        torch.randn(batch["returns"].shape[0], 1, generator=g) * batch["loss_mask"]
-    ).float()  # fixed targets
+    batch.returns = (torch.randn(batch.returns.shape[0], 1, generator=g) * batch.loss_mask).float()  # fixed targets
     losses = []
     for _ in range(40):
-        batch["values"] = m.critic_values(batch) * batch["loss_mask"]  # V_old of each new "rollout"
+        batch.values = m.critic_values(batch) * batch.loss_mask  # V_old of each new "rollout"
         stats = [m.auxiliary_step(mb) for mb in split_batch(batch, 3)]
         m.auxiliary_step_end()
         losses.append(sum(s["ppo/value_loss"] for s in stats) / len(stats))
@@ -261,11 +258,11 @@ def test_model_gradient_equals_autograd_through_the_tiny_model(tiny_trainer):
     m = tr.method
     batch, _ = m.prepare(m.data(0)[0])
     g = torch.Generator().manual_seed(2)
-    batch["old_logps"] = (
+    batch.old_logps = (
         tr.services.logprobs(tr.policy, batch, 1.0)
-        + 0.3 * torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+        + 0.3 * torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
     )
-    batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=g) * engine.effective_mask(batch)
+    batch.token_advantages = torch.randn(batch.loss_mask.shape, generator=g) * engine.effective_mask(batch)
     from conftest import assert_engine_grad_matches_objective
 
     assert_engine_grad_matches_objective(tr, batch, micro=3)

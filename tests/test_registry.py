@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import metrics_rows
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
@@ -186,15 +187,15 @@ def test_gspo_gradient_equals_autograd_of_its_textbook_objective(monkeypatch):
     old = logps - log_s[:, None] + noise  # [B, L]
     ref = logps + 0.5 * torch.randn(B, L, generator=g)  # [B, L]
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 0.5, 0.0])
-    batch = {
-        "input_ids": torch.zeros(B, L, dtype=torch.long),
-        "attention_mask": torch.ones(B, L, dtype=torch.long),
-        "loss_mask": mask.long(),
-        "valid": torch.ones(B, dtype=torch.bool),
-        "advantages": adv,
-        "old_logps": old,
-        "ref_logps": ref,
-    }
+    batch = Batch(
+        input_ids=torch.zeros(B, L, dtype=torch.long),
+        attention_mask=torch.ones(B, L, dtype=torch.long),
+        loss_mask=mask.long(),
+        valid=torch.ones(B, dtype=torch.bool),
+        advantages=adv,
+        old_logps=old,
+        ref_logps=ref,
+    )
     # the branches: s_i = e^0.5 with A > 0 and e^-0.5 with A < 0 are clipped; the others are not, and s_i != 1
     s = torch.exp(((logps - old) * mask).sum(-1) / mask.sum(-1))
     clipped = ((adv > 0) & (s > 1.2)) | ((adv < 0) & (s < 0.8))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from gcfamily.core.batch import STEP
 from gcfamily.config import Config
 from gcfamily.errors import GcfError, Interrupted
 from gcfamily.run.trainer import Trainer
@@ -88,11 +89,11 @@ def _poison(trainer: Trainer, at) -> None:  # noqa: ANN001
 
     def poisoned(step: int):  # noqa: ANN202
         batch, stats = data(step)
-        return {**batch, "poison": bool(at(step))}, stats
+        return batch.put("poison", bool(at(step)), STEP), stats
 
     trainer.method.data = poisoned
     trainer.method.coefficient = lambda batch, logps: (
-        coefficient(batch, logps) * (float("nan") if batch.get("poison") else 1.0)
+        coefficient(batch, logps) * (float("nan") if batch.own.get("poison") else 1.0)
     )
 
 

@@ -162,8 +162,8 @@ def test_trl_quickstart_reward_runs_unchanged_through_gcf_run(gcf, tmp_path):
     tr = _trainer(tmp_path, reward=f"{path}:reward_len")
     batch, _ = tr.method.data(0)
     tr.method.reward_fn.close()
-    expected = [-abs(20 - len(c)) for c in batch["completions"]]
-    assert batch["rewards"].tolist() == expected and batch["valid"].all()
+    expected = [-abs(20 - len(c)) for c in batch.completions]
+    assert batch.rewards.tolist() == expected and batch.valid.all()
     assert len(set(expected)) > 1  # the completions differ in length: the reward is not a constant
     assert row["reward/mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
 
@@ -276,9 +276,9 @@ def test_sys_exit_in_a_reward_fails_its_samples(tmp_path, rewards_py):
     tr = _trainer(tmp_path, reward=f"{rewards_py}:exits_on_odd")
     batch, stats = tr.method.data(0)
     tr.method.reward_fn.close()
-    odd = [len(c) % 2 == 1 for c in batch["completions"]]
+    odd = [len(c) % 2 == 1 for c in batch.completions]
     assert any(odd) and not all(odd)  # both branches: samples that exited and samples that scored
-    assert (~batch["valid"]).tolist() == odd
+    assert (~batch.valid).tolist() == odd
     assert stats["reward/failed"] == sum(odd)
 
 

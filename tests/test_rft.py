@@ -8,6 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from gcfamily.core.batch import Batch
 from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
@@ -20,20 +21,20 @@ FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size
 
 def _batch():
     # 4 samples, 3 completion tokens each (the first column is the prompt)
-    return {
-        "input_ids": torch.zeros(4, 4, dtype=torch.long),
-        "attention_mask": torch.ones(4, 4, dtype=torch.long),
-        "loss_mask": torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0]]),
-        "rewards": torch.tensor([1.0, 0.4, 0.6, 0.0]),
-        "valid": torch.tensor([True, True, True, False]),
-    }
+    return Batch(
+        input_ids=torch.zeros(4, 4, dtype=torch.long),
+        attention_mask=torch.ones(4, 4, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0]]),
+        rewards=torch.tensor([1.0, 0.4, 0.6, 0.0]),
+        valid=torch.tensor([True, True, True, False]),
+    )
 
 
 def test_kept_set_and_coefficient_by_hand():
     m = RFT(Config(method="rft", reward_threshold=0.5))
     b, stats = m.prepare(_batch())
     # rewards (1.0, 0.4, 0.6, failed) against 0.5: kept (yes, no, yes, no); a failed reward is never kept
-    assert b["kept"].tolist() == [True, False, True, False] and stats["rft/kept_frac"] == 0.5
+    assert b.kept.tolist() == [True, False, True, False] and stats["rft/kept_frac"] == 0.5
     coef = m.coefficient(b, torch.zeros(4, 4))
     assert coef.tolist() == [
         [0, 1, 1, 1],
@@ -49,7 +50,7 @@ def test_engine_gradient_equals_autograd_of_objective():
     for norm in (None, "sequence", "sum"):
         m = RFT(Config(method="rft", reward_threshold=0.5, loss_norm=norm))
         b, _ = m.prepare(_batch())
-        logps = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) * b["loss_mask"]
+        logps = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) * b.loss_mask
         Z = engine.normaliser([b], m.norm)
         lp = logps.clone().requires_grad_(True)
         (-m.objective(b, lp, Z)).backward()
@@ -58,7 +59,7 @@ def test_engine_gradient_equals_autograd_of_objective():
         engine.weighted_loss(m.coefficient(b, lp.detach()), lp, b, m.norm, Z).backward()
         assert torch.allclose(lp.grad, want, atol=1e-7)
         if norm is None:  # d(-J)/dlogp = -1/6 on the 6 kept tokens, 0 elsewhere
-            assert torch.allclose(want, -b["kept"].float()[:, None] * b["loss_mask"] / 6)
+            assert torch.allclose(want, -b.kept.float()[:, None] * b.loss_mask / 6)
 
 
 ALWAYS = """
@@ -80,7 +81,7 @@ def test_rollout_keeps_what_clears_the_threshold(tmp_path):
         )
     )
     b, _ = tr.method.prepare(tr.method.data(0)[0])
-    assert b["kept"].tolist() == [False, True] * 4 and engine.effective_mask(b)[::2].sum() == 0
+    assert b.kept.tolist() == [False, True] * 4 and engine.effective_mask(b)[::2].sum() == 0
     assert get_method("rft") is RFT
 
 

@@ -63,9 +63,9 @@ def test_group_probabilities_sum_to_one_per_prompt(problem):
 def test_sampled_groups_follow_the_policy():
     problem = BanditProblem.binary([0.3])
     batch = sample_groups(problem, problem.policy(), 2000, 4, torch.Generator().manual_seed(0))
-    assert batch["input_ids"].shape == (8000, 2) and (batch["loss_mask"][:, 1] == 1).all()
-    assert abs(float((batch["input_ids"][:, 1] == 0).float().mean()) - 0.3) < 0.02
-    assert torch.equal(batch["rewards"], (batch["input_ids"][:, 1] == 0).float())
+    assert batch.input_ids.shape == (8000, 2) and (batch.loss_mask[:, 1] == 1).all()
+    assert abs(float((batch.input_ids[:, 1] == 0).float().mean()) - 0.3) < 0.02
+    assert torch.equal(batch.rewards, (batch.input_ids[:, 1] == 0).float())
 
 
 # ----------------------------------------------------------------------------- production GC == theory

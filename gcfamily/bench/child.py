@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 
 GC_KEEP = 200_000
@@ -124,18 +125,16 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
         SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens),
         gen,
     )
-    batch = {
-        "input_ids": ro.input_ids.cpu(),
-        "attention_mask": ro.attention_mask.cpu(),
-        "loss_mask": ro.completion_mask.cpu(),
-    }
+    batch = Batch(
+        input_ids=ro.input_ids.cpu(), attention_mask=ro.attention_mask.cpu(), loss_mask=ro.completion_mask.cpu()
+    )
     ref, _ = load_model(
         cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed
     )  # the untouched initial model
     float32 = getattr(getattr(trainer, "precision", None), "compute", torch.float32) == torch.float32
     lp = ro.sample_logps.float().cpu() if float32 else trainer.services.logprobs(policy, batch)  # [N, L]
     lr = trainer.services.logprobs(ref.eval(), batch)  # [N, L]
-    mask = batch["loss_mask"].bool()
+    mask = batch.loss_mask.bool()
     d = (lr - lp).double()[mask]
     return float((torch.expm1(d) - d).mean()) if d.numel() else None
 

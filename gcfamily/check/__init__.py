@@ -59,6 +59,7 @@ from gcfamily.check.families import (
 from gcfamily.check.second import SecondCheck, policyless_check
 from gcfamily.check.world import TOL_A, TOL_B, G, N, V, World, make, micro_batches
 from gcfamily.core import engine
+from gcfamily.data.batches import concat
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 
@@ -121,10 +122,10 @@ SOFTCAP = 2.0
 def _engine_logps(X: torch.Tensor, mb: Batch, tau: float, softcap: float | None = None) -> torch.Tensor:
     """The micro-batch's log-probs through the engine's chunked output layer; the hidden states are the logits
     (identity weight), so d loss / d X is d loss / d logits (with `softcap`, the pre-cap logits)."""
-    mask = mb["loss_mask"].bool()
-    h = X[mb["row_id"]][mask]  # [tokens, V]
+    mask = mb.loss_mask.bool()
+    h = X[mb.row_id][mask]  # [tokens, V]
     lp, _ = engine._ChunkedTokenLogprob.apply(
-        h, torch.eye(V, dtype=X.dtype), None, mb["input_ids"][mask], float(tau), 5, False, None, softcap
+        h, torch.eye(V, dtype=X.dtype), None, mb.input_ids[mask], float(tau), 5, False, None, softcap
     )
     return torch.zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp)  # [b, L]
 
@@ -189,9 +190,8 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     # each rank's micro-batches; the whole step's rows (every rank's, in rank order) for the per-token comparisons
     parts = [(m_r, micro_batches(b_r, m_r.rows_per_example)) for m_r, b_r in built.ranks()]
     mbs = [mb for _, mbs_r in parts for mb in mbs_r]
-    batch = {k: torch.cat([mb[k] for mb in mbs]) for k in ("row_id", "input_ids", "loss_mask")}
-    batch["valid"] = torch.cat([mb["valid"] if "valid" in mb else torch.ones(len(mb["row_id"])) for mb in mbs])
-    ids = batch["row_id"]
+    batch = concat([mb.replaced(valid=mb.valid if mb.valid is not None else torch.ones(mb.rows)) for mb in mbs])
+    ids = batch.row_id
     out.branches["micro-batches"] += len(mbs)
     out.required.add("micro-batches")
     counts = {engine.normaliser([mb], m.norm, m.cfg.norm_constant) for mb in mbs}
@@ -212,14 +212,14 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     coefs = []
     for m_r, mbs_r in parts:
         for mb in mbs_r:
-            coefs.append(m_r.coefficient(mb, lp[mb["row_id"]].detach()))
-            engine.weighted_loss(coefs[-1], lp[mb["row_id"]], mb, m_r.norm, Z).backward()
+            coefs.append(m_r.coefficient(mb, lp[mb.row_id].detach()))
+            engine.weighted_loss(coefs[-1], lp[mb.row_id], mb, m_r.norm, Z).backward()
     _nonfinite("the method's coefficient", torch.cat([c.detach().flatten() for c in coefs]), out, seed)
     got = lp.grad if lp.grad is not None else torch.zeros_like(base)
     _nonfinite("the engine's gradient", got, out, seed)
     lp = seen.clone().requires_grad_(True)
     try:
-        J = sum(m_r.objective(b_r, lp[b_r["row_id"]], Z) for m_r, b_r in built.ranks())
+        J = sum(m_r.objective(b_r, lp[b_r.row_id], Z) for m_r, b_r in built.ranks())
     except NotImplementedError:
         out.errors.append(
             f"{cls.__name__} has no objective: write {cls.__name__}.objective(batch, logps, Z), J to maximise"
@@ -265,7 +265,7 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
         out.errors.append(
             f"(b) the textbook's gradient is {stray:.3g} on a token the engine weighs 0 (a masked row or padding)"
         )
-    onehot = F.one_hot(batch["input_ids"], V).double()
+    onehot = F.one_hot(batch.input_ids, V).double()
     soft = torch.softmax(world.logits[ids] / tau, -1)
     closed = torch.zeros_like(world.logits).index_add_(0, ids, -(gc * w / Z)[..., None] * (onehot - soft) / tau)
     source = "textbook" if built.textbook is not None and out.textbook else "own objective"
@@ -279,13 +279,13 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
             c_mb, w_mb = coefs[k].detach(), engine.token_weights(mb, m_r.norm)
             k += 1
             (-(c_mb * w_mb * _engine_logps(Xc, mb, tau_m, SOFTCAP)).sum() / Z).backward()
-            capped = SOFTCAP * torch.tanh(Xr[mb["row_id"]] / SOFTCAP) / tau_m  # [b, L, V]
-            lp_ref = torch.log_softmax(capped, -1).gather(-1, mb["input_ids"][..., None])[..., 0] * mb["loss_mask"]
+            capped = SOFTCAP * torch.tanh(Xr[mb.row_id] / SOFTCAP) / tau_m  # [b, L, V]
+            lp_ref = torch.log_softmax(capped, -1).gather(-1, mb.input_ids[..., None])[..., 0] * mb.loss_mask
             (-(c_mb.double() * w_mb * lp_ref).sum() / Z).backward()
     _diff(
         "(b) the same through a final-logit soft-cap (Gemma 2) vs autograd", Xc.grad.double(), Xr.grad, TOL_B, out, seed
     )
-    coef = torch.cat([c.double() * mb["loss_mask"] for c, mb in zip(coefs, mbs)])
+    coef = torch.cat([c.double() * mb.loss_mask for c, mb in zip(coefs, mbs)])
     scale = float(gc[on].abs().max()) if on.any() else 0.0
     d = float((coef - gc)[on].abs().max()) if on.any() else 0.0
     name = f"    GC: the method's vs the {source}'s (float32 log-probs)"

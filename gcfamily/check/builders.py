@@ -40,7 +40,7 @@ from gcfamily.check.world import (
     make,
 )
 from gcfamily.data.batches import select
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import TOKEN, Batch, Method
 
 
 @dataclass
@@ -118,12 +118,7 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
 def _scored(world: World, rewards: list[float]) -> Batch:
     valid = torch.ones(N, dtype=torch.bool)
     valid[FAILED] = False
-    return {
-        **world.rows(range(N)),
-        "rewards": torch.tensor(rewards),
-        "valid": valid,
-        "prompt_index": torch.arange(N) // G,
-    }
+    return world.rows(range(N)).replaced(rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G)
 
 
 def _onpolicy(cls: type[Method], settings: dict, world: World) -> tuple[Method, StubServices]:
@@ -155,10 +150,10 @@ def build_groups(
     def work(m: Method, stub: StubServices, rows: slice) -> Batch:
         m.setup(stub)  # type: ignore[arg-type]
         for k, w in enumerate(warm):
-            every = {**world.rows(range(N)), "rewards": w, "valid": torch.ones(N, dtype=torch.bool)}
-            m.prepare(select({**every, "prompt_index": torch.arange(N) // G}, rows))
+            every = world.rows(range(N)).replaced(rewards=w, valid=torch.ones(N, dtype=torch.bool))
+            m.prepare(select(every.replaced(prompt_index=torch.arange(N) // G), rows))
             m.after_step(k + 1)
-        return m.prepare(select({k: v.clone() for k, v in raw.items()}, rows))[0]
+        return m.prepare(select(raw.clone(), rows))[0]
 
     parts = _on_ranks(cls, settings, world, ranks, work)
     tb_stub = StubServices(m.cfg, world, m.cfg.temperature)
@@ -192,8 +187,8 @@ def build_process(
         for j, sc in enumerate(scores):  # steps spread over the completion, the last one on its last token
             t = pos[len(pos) * (j + 1) // len(scores) - 1]
             R[i, t], at[i, t] = sc, True
-    raw = {**raw, "step_rewards": R, "step_mask": at}
-    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
+    raw = raw.replaced(step_rewards=R, step_mask=at)
+    batch, _ = m.prepare(raw.clone())
     return Built(m, batch, None if tb is None else (lambda lp: _process_textbook(lp, raw, stub, m, tb)), stub.tau)
 
 
@@ -209,7 +204,7 @@ def build_ppo(
     def work(m: Method, stub: StubServices, rows: slice) -> Batch:
         m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
         m.ref = stub.reference() if m.settings.beta > 0 else None  # type: ignore[attr-defined]
-        return m.prepare(select({k: v.clone() for k, v in raw.items()}, rows))[0]
+        return m.prepare(select(raw.clone(), rows))[0]
 
     parts = _on_ranks(cls, settings, world, ranks, work)
     m, batch = parts[0]
@@ -255,9 +250,11 @@ def build_pairs(
     m.setup(stub)  # type: ignore[arg-type]
     del stub.policy  # the policy again, after the update the check's pi stands for
     batch, _ = m.data(0)
-    width = batch["input_ids"].shape[1]
-    batch = {k: torch.nn.functional.pad(v, (0, L - width)) if v.ndim == 2 else v for k, v in batch.items()}
-    batch["row_id"] = world.find(batch)
+    width = batch.input_ids.shape[1]
+    batch = batch.replaced(
+        **{k: torch.nn.functional.pad(v, (0, L - width)) for k, v, role in batch.items() if role == TOKEN}
+    )
+    batch.row_id = world.find(batch)
     ref = stub.logprobs(stub.ref, world.rows(range(N))).double()
     return Built(
         m, batch, None if tb is None else (lambda lp: _pairs_textbook(lp, pairs, ref, world, m, tb, Counter()))
@@ -267,7 +264,7 @@ def build_pairs(
 def _online_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
     """Online DPO (Guo et al. 2024): per prompt, the best and the worst valid sample (the first of equals) as a pair;
     a prompt whose valid rewards are all equal forms none."""
-    R, valid, pairs = raw["rewards"].tolist(), raw["valid"].tolist(), []
+    R, valid, pairs = raw.rewards.tolist(), raw.valid.tolist(), []
     br = Counter({"failed rewards": valid.count(False)})
     for g in range(N // G):
         idx = [i for i in range(g * G, g * G + G) if valid[i]]
@@ -289,20 +286,20 @@ def build_online_pairs(
     _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
     m.setup(stub)  # type: ignore[arg-type]
     raw = _scored(world, REWARDS)
-    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare(raw.clone())
     return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)), stub.tau)
 
 
 def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubServices, m: Method) -> Textbook:
     """KTO (Ethayarajh et al. 2024, eq. 8): lambda_y (1 - sigmoid(+-beta (r - z0))), r = sum_t log pi/pi_ref,
     z0 = max(0, mean of r over mismatched prompt/completion rows), held constant."""
-    s, mask = m.settings, raw["loss_mask"].double()
+    s, mask = m.settings, raw.loss_mask.double()
     kl = (
-        (stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows["loss_mask"]
+        (stub.logprobs(stub.policy_model, kl_rows) - stub.logprobs(stub.ref, kl_rows)).double() * kl_rows.loss_mask
     ).sum(-1)
     z0 = float(kl.mean().clamp(min=0.0))  # max(0.0, nan) would be 0.0; clamp keeps a NaN, which then fails by name
-    r = ((lp_all[raw["row_id"]] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
-    good = raw["desirable"]
+    r = ((lp_all[raw.row_id] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
+    good = raw.desirable
     loss = torch.where(
         good,
         s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
@@ -331,9 +328,9 @@ def build_unpaired(
     for k in range(n):  # r = z0 +- delta for both labels
         target = z0 + (1 if (k // 2) % 2 == 0 else -1) * (0.5 + 0.25 * k) / m.settings.beta
         world.ref_offset[k, world.positions(k)[0]] -= target + float((world.ref_offset[k] * world.loss_mask[k]).sum())
-    raw = {**world.rows(range(n)), "desirable": torch.tensor([k % 2 == 0 for k in range(n)])}
+    raw = world.rows(range(n)).replaced(desirable=torch.tensor([k % 2 == 0 for k in range(n)]))
     kl_rows = world.rows(range(n, N))
-    batch, _ = m.prepare({**{k: v.clone() for k, v in raw.items()}, "kl_batch": dict(kl_rows)})
+    batch, _ = m.prepare(raw.clone().replaced(kl_pairs=kl_rows.copy()))
     return Built(m, batch, None if tb is None else (lambda lp: _kto_textbook(lp, raw, kl_rows, stub, m)))
 
 
@@ -344,18 +341,18 @@ def build_kept(
     m, stub = _onpolicy(cls, settings, world)
     m.setup(stub)  # type: ignore[arg-type]
     raw = _scored(world, REWARDS)
-    batch, _ = m.prepare({k: v.clone() for k, v in raw.items()})
+    batch, _ = m.prepare(raw.clone())
 
     def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
-        kept = raw["valid"] & (raw["rewards"] >= m.settings.reward_threshold)
+        kept = raw.valid & (raw.rewards >= m.settings.reward_threshold)
         br = Counter(
             {
                 "kept": int(kept.sum()),
-                "rejected": int((raw["valid"] & ~kept).sum()),
-                "failed rewards": int((~raw["valid"]).sum()),
+                "rejected": int((raw.valid & ~kept).sum()),
+                "failed rewards": int((~raw.valid).sum()),
             }
         )
-        J = _aggregate(lp_all[raw["row_id"]], raw["loss_mask"].double(), kept.double(), m.norm, m.cfg.norm_constant)
+        J = _aggregate(lp_all[raw.row_id], raw.loss_mask.double(), kept.double(), m.norm, m.cfg.norm_constant)
         return Textbook(J, br, set(br))
 
     return Built(m, batch, None if tb is None else textbook, stub.tau)
@@ -369,7 +366,7 @@ def build_demonstrations(
 
     def textbook(lp_all: torch.Tensor) -> Textbook:
         every = torch.ones(N // 2, dtype=torch.float64)
-        J = _aggregate(lp_all[rows["row_id"]], rows["loss_mask"].double(), every, m.norm, m.cfg.norm_constant)
+        J = _aggregate(lp_all[rows.row_id], rows.loss_mask.double(), every, m.norm, m.cfg.norm_constant)
         return Textbook(J, Counter(), set())
 
     return Built(m, rows, None if tb is None else textbook)

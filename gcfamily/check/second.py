@@ -69,9 +69,9 @@ def critic_check(m: Any, mbs: list[Batch], raw: Batch, stub: StubServices, gen: 
 
     A, v_old, _ = _gae(raw, stub, m, Counter())
     R = A + v_old  # [N, L] the returns
-    on = raw["loss_mask"].bool() & raw["valid"].bool()[:, None]
+    on = raw.loss_mask.bool() & raw.valid.bool()[:, None]
     table = start.clone().requires_grad_(True)
-    v = table[raw["input_ids"], torch.arange(L)]  # [N, L]
+    v = table[raw.input_ids, torch.arange(L)]  # [N, L]
     plain = (v - R) ** 2
     c = s.value_clip
     clipped = (v_old + torch.clamp(v - v_old, -c, c) - R) ** 2 if c > 0 else plain

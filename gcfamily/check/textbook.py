@@ -142,8 +142,8 @@ def _running_baseline(means: list[float], decay: float) -> float:
 def _groups_textbook(
     lp_all: torch.Tensor, raw: Batch, warm: list[torch.Tensor], stub: StubServices, m: Method, tb: dict
 ) -> Textbook:
-    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
-    lp, R, valid = lp_all[ids], raw["rewards"].double(), raw["valid"].bool()
+    s, ids, mask = m.settings, raw.row_id, raw.loss_mask.double()
+    lp, R, valid = lp_all[ids], raw.rewards.double(), raw.valid.bool()
     old, ref = (
         stub.logprobs(stub.policy_model, raw, stub.tau).double(),
         stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
@@ -178,11 +178,11 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     """Process supervision (DeepSeekMath 4.1.3): every step reward of a group's valid outputs normalised together,
     r~ = (r - mean) / (std + std_eps), and a token's advantage the sum of r~ over its output's steps that end at or
     after it; a group whose step rewards are all equal (or fewer than two) gets none; then the clipped surrogate."""
-    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
-    lp, valid = lp_all[ids], raw["valid"].bool()
+    s, ids, mask = m.settings, raw.row_id, raw.loss_mask.double()
+    lp, valid = lp_all[ids], raw.valid.bool()
     old = stub.logprobs(stub.policy_model, raw, stub.tau).double()
     ref = stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None
-    R, at = raw["step_rewards"].double(), raw["step_mask"].bool()
+    R, at = raw.step_rewards.double(), raw.step_mask.bool()
     A, equal = torch.zeros(R.shape, dtype=torch.float64), torch.zeros(len(R), dtype=torch.bool)
     br = Counter({"failed rewards": int((~valid).sum())})
     sample = s.std == "sample"
@@ -215,14 +215,14 @@ def _gae(raw: Batch, stub: StubServices, m: Method, br: Counter) -> tuple[torch.
     """GAE (Schulman et al. 2016) on the reward at the last token minus beta * KL_t at pi_old (kl_placement=reward):
     the advantages A [N, L] before whitening, the critic's values V [N, L] they were computed on, and whether the KL
     joined the reward. returns = A + V."""
-    s, ids, mask = m.settings, raw["row_id"], raw["loss_mask"].double()
-    valid = raw["valid"].bool()
+    s, ids, mask = m.settings, raw.row_id, raw.loss_mask.double()
+    valid = raw.valid.bool()
     old = stub.logprobs(stub.policy_model, raw, stub.tau).double()
     ref = stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None
-    values = StubCritic(stub.world)(raw["input_ids"], raw["attention_mask"]).double() * mask  # [N, L]
+    values = StubCritic(stub.world)(raw.input_ids, raw.attention_mask).double() * mask  # [N, L]
     rwd = torch.zeros(N, L, dtype=torch.float64)
     for i in range(N):
-        rwd[i, stub.world.positions(int(ids[i]))[-1]] = float(raw["rewards"][i]) if valid[i] else 0.0
+        rwd[i, stub.world.positions(int(ids[i]))[-1]] = float(raw.rewards[i]) if valid[i] else 0.0
     in_reward = ref is not None and s.kl_placement == "reward"
     if in_reward:
         c = math.inf if s.kl_clamp is None else s.kl_clamp
@@ -240,8 +240,8 @@ def _gae(raw: Batch, stub: StubServices, m: Method, br: Counter) -> tuple[torch.
 
 def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
     """GAE advantages (_gae), whitened over the step's valid tokens, in the clipped surrogate."""
-    s, cfg, ids, mask = m.settings, m.cfg, raw["row_id"], raw["loss_mask"].double()
-    lp, valid = lp_all[ids], raw["valid"].bool()
+    s, cfg, ids, mask = m.settings, m.cfg, raw.row_id, raw.loss_mask.double()
+    lp, valid = lp_all[ids], raw.valid.bool()
     old, ref = (
         stub.logprobs(stub.policy_model, raw, stub.tau).double(),
         stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,

@@ -66,12 +66,12 @@ class World:
 
     def rows(self, ids: Any) -> Batch:
         ids = torch.as_tensor(list(ids))
-        return {
-            "input_ids": self.tokens[ids],
-            "attention_mask": self.attention_mask[ids],
-            "loss_mask": self.loss_mask[ids],
-            "row_id": ids,
-        }
+        return Batch(
+            input_ids=self.tokens[ids],
+            attention_mask=self.attention_mask[ids],
+            loss_mask=self.loss_mask[ids],
+            row_id=ids,
+        )
 
     def positions(self, i: int) -> list[int]:
         return self.loss_mask[i].nonzero().flatten().tolist()
@@ -97,9 +97,9 @@ class World:
             for i in range(len(self.tokens))
         }
         ids = []
-        for b in range(batch["input_ids"].shape[0]):
-            on = batch["attention_mask"][b].bool()
-            row = (tuple(batch["input_ids"][b][on].tolist()), tuple(batch["loss_mask"][b].nonzero().flatten().tolist()))
+        for b in range(batch.input_ids.shape[0]):
+            on = batch.attention_mask[b].bool()
+            row = (tuple(batch.input_ids[b][on].tolist()), tuple(batch.loss_mask[b].nonzero().flatten().tolist()))
             if row not in key:
                 raise AssertionError(f"row {b} of the method's batch is none of the check's rows")
             ids.append(key[row])
@@ -221,10 +221,10 @@ class StubServices(LocalServices):
         """pi_old's (the policy's before the step) or pi_ref's log-probs at `temperature`, as the trainer's: a method
         that asks for another temperature than the sampling one gets other log-probs."""
         w = self.world
-        ids = batch["row_id"] if "row_id" in batch else w.find(batch)  # a batch the method collated itself
+        ids = batch.row_id if batch.row_id is not None else w.find(batch)  # a batch the method collated itself
         shift = -w.log_ratio[ids] if model is self.policy_model else w.ref_offset[ids]
-        width = batch["input_ids"].shape[1]  # a batch the method collated may be narrower than the World's L
-        out = (w.logps(tau=temperature)[ids] + shift)[:, :width] * batch["loss_mask"]
+        width = batch.input_ids.shape[1]  # a batch the method collated may be narrower than the World's L
+        out = (w.logps(tau=temperature)[ids] + shift)[:, :width] * batch.loss_mask
         return out.float()  # [B, L], float32 as the trainer's
 
 
@@ -242,7 +242,7 @@ class StubCritic(nn.Module):
 def micro_batches(batch: Batch, rows_per_example: int) -> list[Batch]:
     """The step's micro-batches, of unequal sizes: one example, then three, then MICRO rows at a time (whole examples),
     so that a normaliser counted on one micro-batch (and scaled by their number) is not the step's."""
-    B, k = batch["input_ids"].shape[0], rows_per_example
+    B, k = batch.input_ids.shape[0], rows_per_example
     size = max(k, MICRO - MICRO % k)
     cuts = sorted({0, min(k, B), min(4 * k, B), *range(4 * k + size, B, size), B})
     return [select(batch, slice(a, b)) for a, b in itertools.pairwise(cuts)]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gcfamily.core import onednn
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.core.packing import Packing, backbone_hidden, pack_rows, position_ids_from_mask, shared_prefix  # noqa: F401  (the engine's API)
 
@@ -280,33 +281,32 @@ def _token_logprobs(
 # the normaliser and the one weighted backward
 
 
-def example_weights(batch: dict) -> torch.Tensor:
+def example_weights(batch: Batch) -> torch.Tensor:
     """Per-row weight in the sequence counts: `example_weight` times the `valid` flag."""
-    B = batch["input_ids"].shape[0]
-    w = batch.get("example_weight")
-    w = torch.ones(B, device=batch["input_ids"].device) if w is None else w.float()
-    if "valid" in batch:
-        w = w * batch["valid"].float()
+    w = batch.example_weight
+    w = torch.ones(batch.rows, device=batch.input_ids.device) if w is None else w.float()
+    if batch.valid is not None:
+        w = w * batch.valid.float()
     return w  # [B]
 
 
-def effective_mask(batch: dict) -> torch.Tensor:
+def effective_mask(batch: Batch) -> torch.Tensor:
     """Loss mask with invalid rows switched off."""
-    m = batch["loss_mask"].float()
-    if "valid" in batch:
-        m = m * batch["valid"].float()[:, None]
+    m = batch.loss_mask.float()
+    if batch.valid is not None:
+        m = m * batch.valid.float()[:, None]
     return m  # [B, L]
 
 
-def token_weights(batch: dict, mode: str) -> torch.Tensor:
+def token_weights(batch: Batch, mode: str) -> torch.Tensor:
     """w_t of the contract: 1/|o_i| in "sequence" mode, else 1."""
     m = effective_mask(batch)
     if mode == "sequence":
-        return m / batch["loss_mask"].float().sum(-1, keepdim=True).clamp(min=1)
+        return m / batch.loss_mask.float().sum(-1, keepdim=True).clamp(min=1)
     return m  # [B, L]
 
 
-def normaliser(batches: Iterable[dict], mode: str, norm_constant: float = 1.0, group: object = None) -> float:
+def normaliser(batches: Iterable[Batch], mode: str, norm_constant: float = 1.0, group: object = None) -> float:
     """Z over all micro-batches of a step, summed over ranks when torch.distributed is up."""
     if mode not in NORM_MODES:
         raise GcfError(f"Unknown normalisation '{mode}'; choose one of {', '.join(NORM_MODES)}.")
@@ -341,7 +341,7 @@ def _dist_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def weighted_loss(coef: torch.Tensor, logps: torch.Tensor, batch: dict, mode: str, Z: float) -> torch.Tensor:
+def weighted_loss(coef: torch.Tensor, logps: torch.Tensor, batch: Batch, mode: str, Z: float) -> torch.Tensor:
     """The one loss of the family: -sum(coef * w * logps * mask) / Z."""
     w = token_weights(batch, mode)
     return -(coef.detach() * w * logps).sum() / Z
@@ -427,7 +427,7 @@ def second_model_step(
 @torch.no_grad()
 def batch_logprobs(
     model: nn.Module,
-    batch: dict,
+    batch: Batch,
     temperature: float,
     micro_batch_size: int,
     chunk_size: int,
@@ -435,12 +435,12 @@ def batch_logprobs(
     device: torch.device,
 ) -> torch.Tensor:
     """Log-probs [B, L] (float32, on the CPU) of a whole batch without grad, micro-batched (pi_old, pi_ref)."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for s in range(0, out.shape[0], micro_batch_size):
-        mb = {k: batch[k][s : s + micro_batch_size].to(device) for k in ("input_ids", "attention_mask", "loss_mask")}
+        ids, am, lm = (
+            t[s : s + micro_batch_size].to(device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+        )
         with torch.inference_mode():
-            lp = token_logprobs(
-                model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature, chunk_size, share_prefix
-            )
+            lp = token_logprobs(model, ids, am, lm, temperature, chunk_size, share_prefix)
         out[s : s + micro_batch_size] = lp.logps.float().cpu()
     return out

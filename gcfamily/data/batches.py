@@ -10,8 +10,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from gcfamily.core.batch import ROW, STEP, TOKEN, Batch
 
-def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+
+def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
     """Right-padded [B, L] input_ids, attention_mask and loss_mask (1 on completion tokens)."""
     L = max(len(p) + len(c) for p, c in examples)
     B = len(examples)
@@ -23,10 +25,10 @@ def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dic
         input_ids[b, :n] = torch.tensor(p + c)
         attention_mask[b, :n] = 1
         loss_mask[b, len(p) : n] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
-def collate_masked(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_masked(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
     """Right-padded [B, L] input_ids, attention_mask and loss_mask from (ids, loss mask) examples."""
     L = max(len(ids) for ids, _ in examples)
     B = len(examples)
@@ -37,7 +39,7 @@ def collate_masked(examples: Sequence[tuple[list[int], list[int]]], pad_id: int)
         input_ids[b, : len(ids)] = torch.tensor(ids)
         attention_mask[b, : len(ids)] = 1
         loss_mask[b, : len(ids)] = torch.tensor(mask)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
 
 
 def epoch_indices(n: int, seed: int, step: int, batch_size: int) -> list[int]:
@@ -51,36 +53,32 @@ def epoch_indices(n: int, seed: int, step: int, batch_size: int) -> list[int]:
     return out
 
 
-def split_batch(batch: dict[str, Any], size: int, rows_per_example: int = 1) -> list[dict[str, Any]]:
+def split_batch(batch: Batch, size: int, rows_per_example: int = 1) -> list[Batch]:
     """Micro-batches of at most `size` rows (whole examples), each trimmed of all-padding columns."""
-    B = batch["input_ids"].shape[0]
+    B = batch.rows
     size = max(rows_per_example, size - size % rows_per_example)
     return [trim(select(batch, slice(s, min(s + size, B)))) for s in range(0, B, size)]
 
 
-def select(batch: dict[str, Any], idx: slice | torch.Tensor | list[int]) -> dict[str, Any]:
-    """Rows idx of a batch, by each field's role: a tensor (of one or more dimensions) or a list is per row ([B, ...],
-    per token when [B, L]) and is indexed; a number, a 0-dim tensor or a dict is a step constant and is kept. A per-row
-    field of another length than input_ids is a bug in whoever built the batch, refused here rather than passed on."""
-    B = batch["input_ids"].shape[0]
+def select(batch: Batch, idx: slice | torch.Tensor | list[int]) -> Batch:
+    """Rows idx of a batch, by each field's declared role (core/batch.py): TOKEN and ROW fields are indexed, STEP
+    fields kept. A TOKEN or ROW field of another length than input_ids is a bug in whoever built the batch, refused
+    here rather than passed on."""
+    B = batch.rows
     rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
-    out = {}
-    for k, v in batch.items():
-        per_row = (isinstance(v, torch.Tensor) and v.ndim >= 1) or isinstance(v, list)
-        if not per_row:
-            out[k] = v
+    out: dict[str, Any] = {}
+    for k, v, role in batch.items():
+        if role == STEP:
             continue
         if len(v) != B:
-            raise ValueError(
-                f"batch field {k!r} has {len(v)} rows, not the batch's {B}; a step constant must be a number"
-            )
+            raise ValueError(f"batch field {k!r} ({role}) has {len(v)} rows, not the batch's {B}")
         out[k] = v[idx] if isinstance(v, torch.Tensor) or isinstance(idx, slice) else [v[i] for i in rows]
-    return out
+    return batch.replaced(**out)
 
 
-def trim(batch: dict[str, Any]) -> dict[str, Any]:
-    """Drop columns that are padding in every row (left and right), in every [B, L] field."""
-    am = batch["attention_mask"]
+def trim(batch: Batch) -> Batch:
+    """Drop columns that are padding in every row (left and right), in every TOKEN field."""
+    am = batch.attention_mask
     L = am.shape[1]
     cols = am.any(0).nonzero()
     if cols.numel() == 0:
@@ -88,15 +86,34 @@ def trim(batch: dict[str, Any]) -> dict[str, Any]:
     lo, hi = int(cols[0]), int(cols[-1]) + 1
     if lo == 0 and hi == L:
         return batch
-    return {
-        k: (v[:, lo:hi] if isinstance(v, torch.Tensor) and v.ndim == 2 and v.shape[1] == L else v)
-        for k, v in batch.items()
-    }
+    return batch.replaced(**{k: v[:, lo:hi] for k, v, role in batch.items() if role == TOKEN})
 
 
-def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """Move every tensor of a batch."""
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """Move every TOKEN and ROW tensor of a batch."""
+    return batch.replaced(
+        **{
+            k: v.to(device, non_blocking=True)
+            for k, v, role in batch.items()
+            if role in (TOKEN, ROW) and isinstance(v, torch.Tensor)
+        }
+    )
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """Rows of several batches of equal width, one after another (STEP fields from the first)."""
+    first = batches[0]
+    out: dict[str, Any] = {}
+    for k, v, role in first.items():
+        if role == STEP:
+            continue
+        parts = [_get(b, k) for b in batches]
+        out[k] = torch.cat(parts) if isinstance(v, torch.Tensor) else [x for p in parts for x in p]
+    return first.replaced(**out)
+
+
+def _get(batch: Batch, name: str) -> Any:
+    return batch.own[name] if name in batch.own else getattr(batch, name)
 
 
 def default_pad_id(tokenizer: Any) -> int:

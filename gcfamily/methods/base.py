@@ -19,15 +19,16 @@ import torch
 
 from gcfamily.config import FIELD_NAMES, Config, MethodSettings, resolve_settings
 from gcfamily.data.batches import epoch_indices
+from gcfamily.core.batch import ROW, STEP, TOKEN, Batch
 from gcfamily.core.engine import effective_mask, example_weights, token_weights
 
 from gcfamily.methods.services import LocalServices, Services
 
+__all__ = ["Batch", "GENERATED", "Method", "ROW", "STEP", "Stats", "TOKEN", "heldout_normaliser"]
+
 if TYPE_CHECKING:
     from gcfamily.data.formats import Encoded
 
-Batch = dict[str, Any]
-"""A step's rows: per-row ([B]) and per-token ([B, L]) tensors and lists by name, plus step constants (floats)."""
 Stats = dict[str, float]
 """A step's statistics, returned beside its batch by `data` and `prepare` and logged under their names."""
 GENERATED = "tokens/generated"

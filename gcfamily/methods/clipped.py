@@ -135,7 +135,7 @@ class ClippedOnPolicy(OnPolicy):
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(r [B, L], its GC factor g [B, L]): pi/pi_old per token, g = r. With one pass over one minibatch
         pi_old is the current policy (no old_logps were computed) and r is exactly 1."""
-        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
         ratio = torch.exp(logps - old)  # [B, L]
         return ratio, ratio
 
@@ -150,23 +150,23 @@ class ClippedOnPolicy(OnPolicy):
         return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
 
     def kl_in_loss(self, batch: Batch) -> bool:
-        return self.settings.beta > 0 and self.settings.kl_placement == "loss" and "ref_logps" in batch
+        return self.settings.beta > 0 and self.settings.kl_placement == "loss" and batch.ref_logps is not None
 
     def old_and_ref_logps(self, batch: Batch) -> Optional[torch.Tensor]:
         """pi_old's and pi_ref's log-probs of a rollout, at the sampling temperature, without grad.
 
         With one pass over one minibatch pi_old == pi at the moment of the step, so no forward is spent on it and
         `coefficient` uses the detached current log-probs (ratio exactly 1); the KL-in-reward still needs pi_old's
-        log-probs, which are then that same forward's. Sets batch["old_logps"] (several passes) and batch["ref_logps"]
+        log-probs, which are then that same forward's. Sets batch.old_logps (several passes) and batch.ref_logps
         (a reference), both [N, L]; returns pi_old's [N, L] where it was computed, else None."""
         services, T = self.services, self.logprob_temperature()
         several = self.inner_epochs() > 1 or self.num_minibatches() > 1
         in_reward = self.settings.kl_placement == "reward" and self.ref is not None
         old = services.logprobs(services.policy(), batch, T) if several or in_reward else None
         if several:
-            batch["old_logps"] = old
+            batch.old_logps = old
         if self.ref is not None:
-            batch["ref_logps"] = services.logprobs(self.ref, batch, T)
+            batch.ref_logps = services.logprobs(self.ref, batch, T)
         return old
 
     def kl_reward(self, ref_logps: torch.Tensor, old_logps: torch.Tensor) -> torch.Tensor:
@@ -180,13 +180,13 @@ class ClippedOnPolicy(OnPolicy):
         ratio, factor = self.importance_ratio(batch, logps)  # [B, L]
         coef = torch.where(self.clipped(ratio, adv), 0.0, factor * adv)  # [B, L]
         if self.kl_in_loss(batch):
-            d = batch["ref_logps"] - logps
+            d = batch.ref_logps - logps
             inside = (d.abs() <= self.kl_clamp).to(logps.dtype)  # the clamp's gradient is 0 outside
             log_rho = d.clamp(-self.kl_clamp, self.kl_clamp)
             coef = coef - self.settings.beta * kl_grad(
                 self.kl_name, log_rho, inside, torch.exp(logps - self._old(batch, logps))
             )
-        return coef * batch["loss_mask"]
+        return coef * batch.loss_mask
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         adv = self.token_advantages(batch)
@@ -195,13 +195,13 @@ class ClippedOnPolicy(OnPolicy):
         lo, hi = self.clip_range()
         per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
         if self.kl_in_loss(batch):
-            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token - self.settings.beta * kl_value(self.kl_name, log_rho, log_r)
-        return self.aggregate(per_token * batch["loss_mask"], batch, Z)
+        return self.aggregate(per_token * batch.loss_mask, batch, Z)
 
     @staticmethod
     def _old(batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        return batch["old_logps"] if "old_logps" in batch else logps.detach()
+        return batch.old_logps if batch.old_logps is not None else logps.detach()
 
     # -- logging ---------------------------------------------------------------------
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
@@ -229,7 +229,7 @@ class ClippedOnPolicy(OnPolicy):
                 f"{p}/clip_high_frac": float(high.sum()) / n,
             }
         out = {**clip, f"{p}/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
-        if "ref_logps" in batch:
-            d = (batch["ref_logps"] - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
+        if batch.ref_logps is not None:
+            d = (batch.ref_logps - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
             out[f"{p}/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n  # mean k3 over the step's tokens
         return out

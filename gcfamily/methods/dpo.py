@@ -183,7 +183,7 @@ class DPO(Method):
         idx = self.step_indices(len(self.pairs), step)
         rows = [(i, s) for i in idx for s in (1, 2)]  # chosen at 2k, rejected at 2k+1
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
-        batch["example_weight"] = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
+        batch.example_weight = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
         if self.uses_reference:
             if (
                 self.ref_model is not None
@@ -196,7 +196,7 @@ class DPO(Method):
                     }
                 )
                 self.ref.update(self._reference_logps(self.ref_model, new))
-            ref = torch.zeros(batch["input_ids"].shape)  # [B, L]
+            ref = torch.zeros(batch.input_ids.shape)  # [B, L]
             for b, (i, s) in enumerate(rows):
                 if (i, s) not in self.ref:
                     raise GcfError(
@@ -204,7 +204,7 @@ class DPO(Method):
                     )
                 start = len(self.pairs[i][0])
                 ref[b, start : start + len(self.ref[(i, s)])] = self.ref[(i, s)]
-            batch["ref_logps"] = ref
+            batch.ref_logps = ref
         return batch, {"skipped_long_prompts": float(self.skipped), **self.pool_stats}
 
     # -- held-out figures ------------------------------------------------------------
@@ -216,12 +216,12 @@ class DPO(Method):
             return None
         rows_ids = [(p, c) for p, chosen, rejected in data.examples for c in (chosen, rejected)]
         batch: Batch = collate(rows_ids, self.pad_id)
-        batch["example_weight"] = torch.full((len(rows_ids),), 0.5)  # [B]: a pair is one example, Z counts pairs
+        batch.example_weight = torch.full((len(rows_ids),), 0.5)  # [B]: a pair is one example, Z counts pairs
         if self.uses_reference:
             policy = services.policy()
             was_training = policy.training
             policy.eval()
-            batch["ref_logps"] = services.logprobs(policy, batch)  # [B, L]
+            batch.ref_logps = services.logprobs(policy, batch)  # [B, L]
             policy.train(was_training)
         return batch
 
@@ -240,8 +240,8 @@ class DPO(Method):
     # -- the rule --------------------------------------------------------------------
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Implicit reward h per row [B] and dh/dlogp_t [B, L]: h = beta * sum_t (logps - ref_logps)."""
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
-        h = self.settings.beta * ((logps - batch["ref_logps"]) * mask).sum(-1)  # [B]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
+        h = self.settings.beta * ((logps - batch.ref_logps) * mask).sum(-1)  # [B]
         return h, self.settings.beta * mask
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +258,7 @@ class DPO(Method):
         h, _ = self.rewards(batch, logps)
         loss, _ = self.pair_loss(h[0::2] - h[1::2])
         kept = (
-            batch["valid"][0::2].to(loss.dtype) if "valid" in batch else torch.ones_like(loss)
+            batch.valid[0::2].to(loss.dtype) if batch.valid is not None else torch.ones_like(loss)
         )  # [P]: a masked pair counts nowhere
         return -(loss * kept).sum() / Z
 
@@ -266,7 +266,7 @@ class DPO(Method):
         h, _ = self.rewards(batch, logps)
         m = h[0::2] - h[1::2]  # [P]
         loss, _ = self.pair_loss(m)
-        seq = (logps * batch["loss_mask"]).sum(-1)  # [B]
+        seq = (logps * batch.loss_mask).sum(-1)  # [B]
         return {
             "dpo/loss": float(loss.mean()),
             "dpo/reward_accuracy": float((m > 0).float().mean()),
@@ -352,7 +352,7 @@ class SimPO(DPO):
     uses_reference = False
 
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         dh = self.settings.beta * mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]
         return (dh * logps).sum(-1), dh
 

@@ -114,21 +114,21 @@ class GRPO(ClippedOnPolicy):
         return all_equal_groups(rewards, valid)
 
     def token_advantages(self, batch: Batch) -> torch.Tensor:
-        return batch["advantages"][:, None].float()  # [B, 1]
+        return batch.advantages[:, None].float()  # [B, 1]
 
     # -- prepare ---------------------------------------------------------------------
     def add_advantages(self, batch: Batch) -> tuple[Batch, Stats]:
         """advantages [N], equal-reward groups handled per zero_std, and their fraction logged."""
         G = self.cfg.group_size
-        rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
-        if "kl_rewards" in batch:  # kl_placement=reward: -beta * sum_t KL_t at pi_old joins each sample's reward
-            rewards = rewards - self.settings.beta * rearrange(batch["kl_rewards"].float(), "(n g) -> n g", g=G)
-        valid = rearrange(batch["valid"].bool(), "(n g) -> n g", g=G)  # [n, G]
+        rewards = rearrange(batch.rewards.float(), "(n g) -> n g", g=G)  # [n, G]
+        if batch.kl_rewards is not None:  # kl_placement=reward: -beta * sum_t KL_t at pi_old joins each sample's reward
+            rewards = rewards - self.settings.beta * rearrange(batch.kl_rewards.float(), "(n g) -> n g", g=G)
+        valid = rearrange(batch.valid.bool(), "(n g) -> n g", g=G)  # [n, G]
         equal = self.equal_reward_groups(rewards, valid)  # [n]
         adv = self.group_advantages(rewards, valid).masked_fill(equal[:, None] | ~valid, 0.0)  # [n, G]
-        batch["advantages"] = rearrange(adv, "n g -> (n g)")  # [N]
+        batch.advantages = rearrange(adv, "n g -> (n g)")  # [N]
         if self.settings.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
-            batch["valid"] = batch["valid"].bool() & ~repeat(equal, "n -> (n g)", g=G)
+            batch.valid = batch.valid.bool() & ~repeat(equal, "n -> (n g)", g=G)
         return batch, {f"{self.metric_prefix}/zero_std_frac": float(equal.float().mean())}
 
     @torch.no_grad()
@@ -136,9 +136,9 @@ class GRPO(ClippedOnPolicy):
         old = self.old_and_ref_logps(batch)  # [N, L] or None
         stats: Stats = {}
         if self.settings.kl_placement == "reward" and self.ref is not None:
-            kl = self.kl_reward(batch["ref_logps"], old) * batch["loss_mask"]  # [N, L]
-            batch["kl_rewards"] = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
-            stats = {f"{self.metric_prefix}/kl_reward_mean": float(batch["kl_rewards"].mean())}
+            kl = self.kl_reward(batch.ref_logps, old) * batch.loss_mask  # [N, L]
+            batch.kl_rewards = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
+            stats = {f"{self.metric_prefix}/kl_reward_mean": float(batch.kl_rewards.mean())}
         batch, more = self.add_advantages(batch)
         return batch, {**stats, **more}
 

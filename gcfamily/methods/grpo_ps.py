@@ -87,12 +87,12 @@ class GRPOProcess(GRPO):
         """token_advantages [N, L] from the step rewards; equal groups per zero_std; their share and the steps logged."""
         G, s = self.cfg.group_size, self.settings
         adv, equal = process_advantages(
-            batch["step_rewards"], batch["step_mask"], batch["valid"], G, s.std == "sample", s.std_eps
+            batch.step_rewards, batch.step_mask, batch.valid, G, s.std == "sample", s.std_eps
         )
-        batch["token_advantages"] = adv.float()  # [N, L]
+        batch.token_advantages = adv.float()  # [N, L]
         if s.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
-            batch["valid"] = batch["valid"].bool() & ~repeat(equal, "n -> (n g)", g=G)
-        steps = (batch["step_mask"].bool() & batch["valid"].bool()[:, None]).sum(-1).float()  # [N]
+            batch.valid = batch.valid.bool() & ~repeat(equal, "n -> (n g)", g=G)
+        steps = (batch.step_mask.bool() & batch.valid.bool()[:, None]).sum(-1).float()  # [N]
         return batch, {
             f"{self.metric_prefix}/zero_std_frac": float(equal.float().mean()),
             f"{self.metric_prefix}/steps_mean": float(steps.mean()) if len(steps) else 0.0,
@@ -100,4 +100,4 @@ class GRPOProcess(GRPO):
         }
 
     def token_advantages(self, batch: Batch) -> torch.Tensor:
-        return batch["token_advantages"]  # [B, L]
+        return batch.token_advantages  # [B, L]

@@ -67,20 +67,20 @@ class GSPO(GRPO):
 
     def importance_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(s_i on every token of o_i [B, L], its GC factor s_i): the geometric mean of the token ratios."""
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         log_r = (logps - self._old(batch, logps)) * mask  # [B, L]
         s = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
         return s.expand_as(logps), s.expand_as(logps)
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         log_r = logps - self._old(batch, logps)  # [B, L] token log-ratios
         s = torch.exp((log_r * mask).sum(-1) / mask.sum(-1).clamp(min=1))  # [B]
-        adv = batch["advantages"].float()  # [B]
+        adv = batch.advantages.float()  # [B]
         lo, hi = self.clip_range()
         per_seq = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)  # [B]
         J = self.aggregate(per_seq[:, None] * mask, batch, Z)  # sequence i weighs sum_t w_t
         if self.kl_in_loss(batch):
-            log_rho = (batch["ref_logps"] - logps).clamp(-self.kl_clamp, self.kl_clamp)
+            log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             J = J - self.settings.beta * self.aggregate(kl_value(self.kl_name, log_rho, log_r) * mask, batch, Z)
         return J

@@ -105,9 +105,9 @@ class KTO(Method):
         idx = self.step_indices(len(self.examples), step)
         ex = [self.examples[i] for i in idx]
         batch: Batch = collate(ex, self.pad_id)
-        batch["desirable"] = torch.tensor([self.labels[i] for i in idx])  # [B]
+        batch.desirable = torch.tensor([self.labels[i] for i in idx])  # [B]
         room = self.cfg.max_length
-        batch["kl_batch"] = collate(
+        batch.kl_pairs = collate(
             [(p, ex[(j + 1) % len(ex)][1][: room - len(p)]) for j, (p, _) in enumerate(ex)], self.pad_id
         )
         return batch, {"skipped_long_prompts": float(self.skipped)}
@@ -115,30 +115,28 @@ class KTO(Method):
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         services = self.services
-        kl = batch.pop("kl_batch")
-        batch["ref_logps"] = services.logprobs(self.ref, batch)  # [B, L]
-        d = ((services.logprobs(services.policy(), kl) - services.logprobs(self.ref, kl)) * kl["loss_mask"]).sum(
-            -1
-        )  # [B]
+        kl, batch.kl_pairs = batch.kl_pairs, None
+        batch.ref_logps = services.logprobs(self.ref, batch)  # [B, L]
+        d = ((services.logprobs(services.policy(), kl) - services.logprobs(self.ref, kl)) * kl.loss_mask).sum(-1)  # [B]
         total = services.all_sum(torch.stack([d.double().sum(), torch.tensor(float(len(d)), dtype=torch.float64)]))
         kl_mean = float(total[0] / total[1])
-        batch["kto_z0"] = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
-        return batch, {"kto/kl": kl_mean, "kto/z0": batch["kto_z0"]}
+        batch.z0 = max(kl_mean, 0.0)  # a float: the same constant in every micro-batch
+        return batch, {"kto/kl": kl_mean, "kto/z0": batch.z0}
 
     # -- the rule --------------------------------------------------------------------
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        s, z0 = self.settings, batch["kto_z0"]
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
-        r = ((logps - batch["ref_logps"]) * mask).sum(-1)  # [B]
-        good = batch["desirable"].bool()  # [B]
+        s, z0 = self.settings, batch.z0
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
+        r = ((logps - batch.ref_logps) * mask).sum(-1)  # [B]
+        good = batch.desirable.bool()  # [B]
         u = torch.where(good, s.beta * (r - z0), s.beta * (z0 - r))  # [B]
         lam = torch.where(good, s.desirable_weight, -s.undesirable_weight)  # [B]: d u / d r is -beta when undesirable
         return (lam * s.beta * torch.sigmoid(u) * torch.sigmoid(-u))[:, None] * mask  # [B, L]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        s, z0 = self.settings, batch["kto_z0"]
-        r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)  # [B]
-        good = batch["desirable"].bool()
+        s, z0 = self.settings, batch.z0
+        r = ((logps - batch.ref_logps) * batch.loss_mask).sum(-1)  # [B]
+        good = batch.desirable.bool()
         loss = torch.where(
             good,
             s.desirable_weight * (1 - torch.sigmoid(s.beta * (r - z0))),
@@ -147,8 +145,8 @@ class KTO(Method):
         return -(loss * example_weights(batch)).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        r = ((logps - batch["ref_logps"]) * batch["loss_mask"]).sum(-1)  # [B]
-        good = batch["desirable"].bool()
+        r = ((logps - batch.ref_logps) * batch.loss_mask).sum(-1)  # [B]
+        good = batch.desirable.bool()
         out = {
             "kto/loss": float(-self.objective(batch, logps, len(r))),
             "kto/desirable_frac": float(good.float().mean()),

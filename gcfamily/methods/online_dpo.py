@@ -59,16 +59,16 @@ class OnlineDPO(DPO, OnPolicy):
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         G = self.cfg.group_size
-        rewards = rearrange(batch["rewards"].float(), "(n g) -> n g", g=G)  # [n, G]
-        valid = rearrange(batch["valid"].bool(), "(n g) -> n g", g=G)  # [n, G]
+        rewards = rearrange(batch.rewards.float(), "(n g) -> n g", g=G)  # [n, G]
+        valid = rearrange(batch.valid.bool(), "(n g) -> n g", g=G)  # [n, G]
         skip = all_equal_groups(rewards, valid)  # [n]
         best = rewards.masked_fill(~valid, -math.inf).argmax(-1)  # [n]
         worst = rewards.masked_fill(~valid, math.inf).argmin(-1)  # [n]
         start = torch.arange(rewards.shape[0]) * G  # [n]
         pairs = select(batch, torch.stack([start + best, start + worst], 1).flatten())  # [2n]: chosen 2i, rejected 2i+1
-        pairs["valid"] = repeat(~skip, "n -> (n two)", two=2)  # [2n]
-        pairs["example_weight"] = torch.full((2 * len(skip),), 0.5)  # [2n]: a pair is one example
-        pairs["ref_logps"] = self.services.logprobs(self.ref, pairs, self.logprob_temperature())
+        pairs.valid = repeat(~skip, "n -> (n two)", two=2)  # [2n]
+        pairs.example_weight = torch.full((2 * len(skip),), 0.5)  # [2n]: a pair is one example
+        pairs.ref_logps = self.services.logprobs(self.ref, pairs, self.logprob_temperature())
         kept = ~skip
         gap = rewards.gather(1, best[:, None]) - rewards.gather(1, worst[:, None])  # [n, 1]
         return pairs, {
@@ -79,8 +79,8 @@ class OnlineDPO(DPO, OnPolicy):
     @staticmethod
     def formed(batch: Batch) -> torch.Tensor:
         """Indices of the rows of formed pairs (all rows when the batch has no `valid`, as the engine reads it)."""
-        valid = batch.get("valid")
-        return torch.arange(len(batch["input_ids"])) if valid is None else valid.bool().nonzero().flatten()
+        valid = batch.valid
+        return torch.arange(len(batch.input_ids)) if valid is None else valid.bool().nonzero().flatten()
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         """DPO's objective over the pairs formed (a skipped prompt's rows are valid=False)."""

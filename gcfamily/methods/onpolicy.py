@@ -110,21 +110,21 @@ class OnPolicy(Method):
         n_ok = max(float(ok.sum()), 1.0)
         mean = float((rewards * ok).sum()) / n_ok
         lengths = ro.completion_lengths.float().cpu()  # [N]
-        batch: Batch = {
-            "input_ids": ro.input_ids.cpu(),  # [N, L]
-            "attention_mask": ro.attention_mask.cpu(),  # [N, L]
-            "loss_mask": ro.completion_mask.cpu(),  # [N, L]
-            "sample_logps": ro.sample_logps.cpu(),  # [N, L]
-            "rewards": rewards,  # [N]
-            "valid": valid,  # [N]
-            "prompt_index": ro.prompt_index.cpu(),  # [N]
-            "completions": ro.completions,
-        }
+        batch = Batch(
+            input_ids=ro.input_ids.cpu(),  # [N, L]
+            attention_mask=ro.attention_mask.cpu(),  # [N, L]
+            loss_mask=ro.completion_mask.cpu(),  # [N, L]
+            sample_logps=ro.sample_logps.cpu(),  # [N, L]
+            rewards=rewards,  # [N]
+            valid=valid,  # [N]
+            prompt_index=ro.prompt_index.cpu(),  # [N]
+            completions=ro.completions,
+        )
         if self.reads_steps:  # each step's reward on the token holding its last character: [N, L] each
-            batch["step_rewards"], batch["step_mask"], unplaced = place_steps(
-                services.tokenizer, scored, ids, ro.completions, batch["loss_mask"]
+            batch.step_rewards, batch.step_mask, unplaced = place_steps(
+                services.tokenizer, scored, ids, ro.completions, batch.loss_mask
             )
-            batch["valid"] = valid = valid & ~unplaced
+            batch.valid = valid = valid & ~unplaced
             errors = errors + [
                 f"the steps of sample {i} could not be placed on its tokens"
                 for i in unplaced.nonzero().flatten().tolist()

@@ -72,7 +72,7 @@ class ORPO(DPO):
 
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log odds(o) per row [B] and its derivative in logp_t [B, L]: 1 / ((1 - P) |o|)."""
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         n = mask.sum(-1).clamp(min=1)  # [B]
         a = (logps * mask).sum(-1) / n  # [B]
         one_minus_p = -torch.expm1(a)  # [B]: 1 - e^a without cancellation
@@ -83,13 +83,13 @@ class ORPO(DPO):
         return self.settings.orpo_lambda * loss, self.settings.orpo_lambda * dloss
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        mask = batch["loss_mask"].to(logps.dtype)  # [B, L]
+        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
         sft = mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]: the token mean's derivative
         sft[1::2] = 0  # only the chosen rows are imitated
         return super().coefficient(batch, logps) + sft
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        mask = batch["loss_mask"].to(logps.dtype)
+        mask = batch.loss_mask.to(logps.dtype)
         a = (logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B] mean log-prob
         log_odds = a - torch.log1p(-torch.exp(a))  # [B]
         nll = -a[0::2]  # [P]
@@ -99,7 +99,7 @@ class ORPO(DPO):
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         odds, _ = self.rewards(batch, logps)
         z = odds[0::2] - odds[1::2]  # [P]
-        mask = batch["loss_mask"].to(logps.dtype)
+        mask = batch.loss_mask.to(logps.dtype)
         a = (logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return {
             "orpo/nll": float(-a[0::2].mean()),

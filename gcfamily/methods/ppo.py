@@ -39,7 +39,6 @@ from torch import nn
 
 from gcfamily.models import lora
 from gcfamily.config import Config
-from gcfamily.data.batches import to_device
 from gcfamily.core.engine import build_optimizer, effective_mask, second_model_step
 from gcfamily.core.memory import module_mb
 from gcfamily.core.packing import backbone_hidden
@@ -229,66 +228,65 @@ class PPO(ClippedOnPolicy):
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
         kl_reward = self.settings.kl_placement == "reward" and self.ref is not None
         old = self.old_and_ref_logps(batch)  # [N, L] or None
-        mask = batch["loss_mask"].float()  # [N, L]
+        mask = batch.loss_mask.float()  # [N, L]
         valid = effective_mask(batch)  # [N, L]
-        batch["values"] = self.critic_values(batch) * mask  # [N, L]
-        batch["token_rewards"] = self.token_rewards(batch, old)  # [N, L]
-        adv, batch["returns"] = gae(
-            batch["token_rewards"], batch["values"], mask, self.settings.gamma, self.settings.lam
-        )
-        batch["advantages"] = (
+        batch.values = self.critic_values(batch) * mask  # [N, L]
+        batch.token_rewards = self.token_rewards(batch, old)  # [N, L]
+        adv, batch.returns = gae(batch.token_rewards, batch.values, mask, self.settings.gamma, self.settings.lam)
+        batch.token_advantages = (
             whiten(adv, valid, self.services.all_sum) if self.settings.whiten else adv * valid
         )  # [N, L]
         n = max(float(valid.sum()), 1.0)
         stats = {
-            "ppo/explained_variance": explained_variance(batch["values"], batch["returns"], valid),
-            "ppo/value_mean": float((batch["values"] * valid).sum()) / n,
-            "ppo/return_mean": float((batch["returns"] * valid).sum()) / n,
+            "ppo/explained_variance": explained_variance(batch.values, batch.returns, valid),
+            "ppo/value_mean": float((batch.values * valid).sum()) / n,
+            "ppo/return_mean": float((batch.returns * valid).sum()) / n,
             "ppo/adv_raw_std": float(adv[valid.bool()].std()) if n > 1 else 0.0,
         }
         if kl_reward:
             stats["ppo/kl_penalty_mean"] = (
-                float((self.settings.beta * self.kl_reward(batch["ref_logps"], old) * valid).sum()) / n
+                float((self.settings.beta * self.kl_reward(batch.ref_logps, old) * valid).sum()) / n
             )
         return batch, stats
 
     @torch.no_grad()
     def critic_values(self, batch: Batch) -> torch.Tensor:
         """V [N, L] of a whole batch without grad, micro-batched like the trainer's log-probs."""
-        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         size = self.cfg.micro_batch_size
         for s in range(0, out.shape[0], size):
-            mb = to_device(
-                {k: batch[k][s : s + size] for k in ("input_ids", "attention_mask", "loss_mask")}, self.services.device
+            ids, am, lm = (
+                t[s : s + size].to(self.services.device)
+                for t in (batch.input_ids, batch.attention_mask, batch.loss_mask)
             )
-            out[s : s + size] = self.critic(mb["input_ids"], mb["attention_mask"], mb["loss_mask"]).float().cpu()
+            out[s : s + size] = self.critic(ids, am, lm).float().cpu()
         return out
 
     def token_rewards(self, batch: Batch, old_logps: torch.Tensor | None) -> torch.Tensor:
         """[N, L]: the sequence reward on each row's last completion token, minus beta * the per-token KL when kl_placement=reward."""
-        mask = batch["loss_mask"].float()  # [N, L]
+        mask = batch.loss_mask.float()  # [N, L]
         N, L = mask.shape
         last = (mask * torch.arange(L)).argmax(-1)  # [N] position of the last completion token
-        R = torch.where(batch["valid"].bool(), batch["rewards"].float(), 0.0) * mask.any(-1)  # [N]
+        R = torch.where(batch.valid.bool(), batch.rewards.float(), 0.0) * mask.any(-1)  # [N]
         rewards = torch.zeros(N, L)
         rewards[torch.arange(N), last] = R
-        if old_logps is not None and self.settings.kl_placement == "reward" and "ref_logps" in batch:
+        if old_logps is not None and self.settings.kl_placement == "reward" and batch.ref_logps is not None:
             rewards = (
-                rewards - self.settings.beta * self.kl_reward(batch["ref_logps"], old_logps) * mask
+                rewards - self.settings.beta * self.kl_reward(batch.ref_logps, old_logps) * mask
             )  # k1: InstructGPT's -beta log(pi/pi_ref)
         return rewards
 
     # -- the policy's rule: the shared clipped surrogate on GAE advantages ---------
     def token_advantages(self, batch: Batch) -> torch.Tensor:
-        return batch["advantages"]  # [B, L]
+        return batch.token_advantages  # [B, L]
 
     # -- the critic: its loss, its step ----------------------------------------------
     def critic_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """vf_coef * sum over valid tokens of the clipped value loss (the step's token count divides it later)."""
         mask = effective_mask(batch)  # [b, L]
-        values = self.critic(batch["input_ids"], batch["attention_mask"], batch["loss_mask"])  # [b, L] with grad
+        values = self.critic(batch.input_ids, batch.attention_mask, batch.loss_mask)  # [b, L] with grad
         per_token, clipped = value_loss_terms(
-            values, batch["values"].float(), batch["returns"].float(), self.settings.value_clip
+            values, batch.values.float(), batch.returns.float(), self.settings.value_clip
         )
         k = max(float(mask.sum()), 1.0)
         stats = {

@@ -110,7 +110,7 @@ class RewardModelTraining(Method):
     # -- the reward model's loss and step --------------------------------------------
     def auxiliary_step(self, batch: Batch) -> dict[str, float]:
         """The Bradley-Terry loss's backward on this micro-batch's pairs (summed; the step's pair count divides it)."""
-        scores = self.rm(batch["input_ids"], batch["attention_mask"])  # [2P]
+        scores = self.rm(batch.input_ids, batch.attention_mask)  # [2P]
         chosen, rejected = scores[0::2], scores[1::2]  # [P]
         loss = bradley_terry_loss(chosen, rejected)  # [P]
         loss.sum().backward()

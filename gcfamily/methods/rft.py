@@ -42,16 +42,16 @@ class RFT(OnPolicy):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
-        kept = batch["valid"].bool() & (batch["rewards"] >= self.settings.reward_threshold)  # [N]
-        batch["kept"] = kept
-        batch["valid"] = kept
+        kept = batch.valid.bool() & (batch.rewards >= self.settings.reward_threshold)  # [N]
+        batch.kept = kept
+        batch.valid = kept
         return batch, {"rft/kept_frac": float(kept.float().mean())}
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        return batch["kept"].float()[:, None] * batch["loss_mask"].float()  # [B, L]
+        return batch.kept.float()[:, None] * batch.loss_mask.float()  # [B, L]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        return self.aggregate(batch["kept"].float()[:, None] * logps, batch, Z)
+        return self.aggregate(batch.kept.float()[:, None] * logps, batch, Z)
 
 
 class OfflineRFT(RFT):
@@ -117,10 +117,10 @@ class OfflineRFT(RFT):
         batch: Batch = collate(
             [(self.prompt_tokens[pool.prompt_index[k]], pool.completion_ids[k]) for k in ks], self.pad_id
         )
-        batch["rewards"] = torch.tensor([pool.rewards[k] for k in ks], dtype=torch.float32)  # [N]
-        batch["valid"] = torch.tensor([pool.valid[k] for k in ks], dtype=torch.bool)  # [N]
-        batch["prompt_index"] = torch.tensor([prompts.index(pool.prompt_index[k]) for k in ks])  # [N]
-        batch["completions"] = [pool.completions[k] for k in ks]
+        batch.rewards = torch.tensor([pool.rewards[k] for k in ks], dtype=torch.float32)  # [N]
+        batch.valid = torch.tensor([pool.valid[k] for k in ks], dtype=torch.bool)  # [N]
+        batch.prompt_index = torch.tensor([prompts.index(pool.prompt_index[k]) for k in ks])  # [N]
+        batch.completions = [pool.completions[k] for k in ks]
         thr = self.settings.reward_threshold
         kept = sum(1 for k in range(len(pool)) if pool.valid[k] and pool.rewards[k] >= thr)
         return batch, {"rft/pool_samples": float(len(pool)), "rft/pool_kept_frac": kept / max(len(pool), 1)}

@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from gcfamily.core.batch import Batch
 from gcfamily.core.engine import grads_finite
 from gcfamily.rollout import Rollout, SamplingSettings
 
@@ -55,7 +56,7 @@ class Services(Protocol):
         """The rows the method trains on: the dataset's (columns renamed), else its task's (Method.task_rows)."""
         ...
 
-    def logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, model: nn.Module, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs [B, L] of a whole batch under `model`, without grad, micro-batched like the training step."""
         ...
 

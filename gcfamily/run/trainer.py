@@ -37,7 +37,12 @@ from gcfamily.run.saving import Saving
 from gcfamily.run.services import RunServices
 from gcfamily.run.writes import resume_hint
 
-_HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
+
+def host_copy(batch: Batch) -> Batch:
+    """CPU copies of the fields that lay out a micro-batch (ids and masks), the same objects where already there."""
+    return Batch(
+        input_ids=batch.input_ids.cpu(), attention_mask=batch.attention_mask.cpu(), loss_mask=batch.loss_mask.cpu()
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -325,15 +330,17 @@ class Trainer:
             return self.auxiliary_only_step(split_batch(batch, cfg.micro_batch_size, m.rows_per_example))
         # CPU copies of the ids and masks, read back once a step and split with the batch: each micro-batch's packing layout
         # and loss-token indices are worked out from them, so nothing in the loop below waits on the device
-        batch = {**batch, **{f"host_{k}": batch[k].cpu() for k in _HOST}}
         mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
+        hosts = split_batch(
+            host_copy(batch), cfg.micro_batch_size, m.rows_per_example
+        )  # the same cuts: trim reads the same mask
         Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
         scale = self.dist.world_size if self.dist is not None else 1  # DDP averages; Z is already global
         sums: dict[str, float] = {}
         n_tok = 0
         done = []  # per micro-batch, what its metrics need; read after every backward is queued (no host sync in between)
         for i, mb in enumerate(mbs):
-            host = tuple(mb.pop(f"host_{k}") for k in _HOST)
+            host = (hosts[i].input_ids, hosts[i].attention_mask, hosts[i].loss_mask)
             mb = to_device(mb, self.device)
             sync = (
                 self.dist.no_sync(self.policy)
@@ -344,9 +351,9 @@ class Trainer:
                 with self.autocast():
                     out = engine.token_logprobs(
                         self.policy,
-                        mb["input_ids"],
-                        mb["attention_mask"],
-                        mb["loss_mask"],
+                        mb.input_ids,
+                        mb.attention_mask,
+                        mb.loss_mask,
                         m.logprob_temperature(),
                         cfg.chunk_size,
                         cfg.share_prefix,
@@ -432,7 +439,7 @@ class Trainer:
         sums: dict[str, float] = {}
         rows = 0
         for mb in mbs:
-            n = int(mb["input_ids"].shape[0])
+            n = int(mb.input_ids.shape[0])
             with self.autocast():
                 aux = self.method.auxiliary_step(to_device(mb, self.device))
             for key, v in aux.items():
@@ -446,7 +453,7 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         """mu passes over the prepared batch, each split into minibatches (one optimizer step each)."""
         m = self.method
-        B = batch["input_ids"].shape[0]
+        B = batch.input_ids.shape[0]
         n_mb = m.num_minibatches()
         per = max(m.rows_per_example, math.ceil(B / n_mb / m.rows_per_example) * m.rows_per_example)
         agg: dict[str, list[float]] = {}

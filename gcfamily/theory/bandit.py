@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 
 
@@ -131,22 +132,22 @@ class BanditProblem:
         return [{"prompt": f"q{i}"} for i in range(self.P)]
 
 
-def make_batch(prompts: torch.Tensor, outputs: torch.Tensor, rewards: torch.Tensor) -> dict:
+def make_batch(prompts: torch.Tensor, outputs: torch.Tensor, rewards: torch.Tensor) -> Batch:
     """The batch a rollout plus reward scoring would make: one row [q, o] per sample."""
     N = prompts.shape[0]
-    return {
-        "input_ids": torch.stack([prompts, outputs], 1).long(),  # [N, 2]
-        "attention_mask": torch.ones(N, 2, dtype=torch.long),  # [N, 2]
-        "loss_mask": torch.tensor([[0, 1]]).expand(N, 2).clone(),  # [N, 2]: the output is the completion
-        "rewards": rewards.float(),  # [N]
-        "valid": torch.ones(N, dtype=torch.bool),  # [N]
-        "prompt_index": prompts.long(),  # [N]
-    }
+    return Batch(
+        input_ids=torch.stack([prompts, outputs], 1).long(),  # [N, 2]
+        attention_mask=torch.ones(N, 2, dtype=torch.long),  # [N, 2]
+        loss_mask=torch.tensor([[0, 1]]).expand(N, 2).clone(),  # [N, 2]: the output is the completion
+        rewards=rewards.float(),  # [N]
+        valid=torch.ones(N, dtype=torch.bool),  # [N]
+        prompt_index=prompts.long(),  # [N]
+    )
 
 
 def sample_groups(
     problem: BanditProblem, policy: BanditLM, groups_per_prompt: int, G: int, generator: torch.Generator
-) -> dict:
+) -> Batch:
     """groups_per_prompt groups of G outputs drawn from the current policy for every prompt, scored.
 
     Rows are grouped as the rollout groups them: G consecutive rows per group, prompt-major.
@@ -207,7 +208,7 @@ class GroupEnumeration:
                     out.append((o, bit, math.log(prob)))
         return out
 
-    def batch(self) -> dict:
+    def batch(self) -> Batch:
         """Every group's rows, G consecutive rows per group (the layout of sampled batches)."""
         return make_batch(self.prompts, self.outputs, self.rewards)
 

@@ -113,9 +113,9 @@ def backward(method: Method, policy: BanditLM, batch: Batch, Z: float, weight: O
     """The engine's weighted backward on a prepared batch; weight [N] scales each row's coefficient."""
     out = engine.token_logprobs(
         policy,
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["loss_mask"],
+        batch.input_ids,
+        batch.attention_mask,
+        batch.loss_mask,
         method.logprob_temperature(),
         method.cfg.chunk_size,
     )
