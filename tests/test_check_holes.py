@@ -24,7 +24,7 @@ import torch
 from gcfamily.core.batch import Batch
 from gcfamily import check
 from gcfamily.config import Config
-from gcfamily.core import engine
+from gcfamily.core import engine, logprobs
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.grpo import GRPO
@@ -68,13 +68,13 @@ def test_log_probs_at_temperature_1_instead_of_the_sampling_one_are_caught(
 
 
 def test_a_chunked_backward_without_its_1_over_tau_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    backward = engine._ChunkedTokenLogprob.backward
+    backward = logprobs._ChunkedTokenLogprob.backward
 
     def without_tau(ctx, *grads):  # noqa: ANN001, ANN202
         out = backward(ctx, *grads)
         return (out[0] * ctx.temperature, *out[1:])  # d/d hidden times tau: the 1/tau undone
 
-    monkeypatch.setattr(engine._ChunkedTokenLogprob, "backward", staticmethod(without_tau))
+    monkeypatch.setattr(logprobs._ChunkedTokenLogprob, "backward", staticmethod(without_tau))
     label, _ = _temperature_case("grpo")
     outcomes = _outcomes("grpo")
     assert [lab for lab, o in outcomes.items() if not o.ok] == [label]

@@ -23,7 +23,7 @@ import torch
 
 from gcfamily import check
 from gcfamily.check.world import Collective
-from gcfamily.core import engine
+from gcfamily.core import engine, logprobs
 from gcfamily.data.batches import select
 from gcfamily.methods import get_method, ppo
 from gcfamily.methods.dpo import DPO
@@ -200,13 +200,13 @@ def test_a_reward_model_step_divided_by_rows_is_caught(monkeypatch: pytest.Monke
 def test_a_soft_cap_backward_without_its_derivative_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma 2's final-logit soft-cap c * tanh(z / c): a backward that drops its derivative 1 - tanh^2 fails (b)'s pass
     through the cap, which every case runs (before it only tests/test_families.py's Gemma 2 rows caught this)."""
-    real = engine._chunk_logits
+    real = logprobs._chunk_logits
 
     def no_derivative(*args, **kwargs):
         logits, dcap = real(*args, **kwargs)
         return logits, (None if dcap is None else torch.ones_like(dcap))
 
-    text = _caught("sft", "defaults", monkeypatch, (engine, "_chunk_logits", no_derivative))
+    text = _caught("sft", "defaults", monkeypatch, (logprobs, "_chunk_logits", no_derivative))
     assert "FAILED (b) the same through a final-logit soft-cap (Gemma 2) vs autograd" in text
 
 

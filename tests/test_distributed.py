@@ -53,10 +53,9 @@ def fixed_grpo_batch(tokenizer) -> dict:
             )
     batch = collate(rows, tokenizer.pad_token_id)
     rewards = torch.tensor([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5, 0, 0.25, 1, 0.75, 1, 1, 0, 0.5])  # group 2 has std 0
-    batch.update(
+    return batch.replaced(
         rewards=rewards, valid=torch.ones(len(rows), dtype=torch.bool), prompt_index=torch.arange(len(rows)) // G
     )
-    return batch
 
 
 # ----------------------------------------------------------------------------------

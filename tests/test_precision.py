@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily.core import engine, precision
+from gcfamily.core import engine, logprobs, precision
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_model, tiny_tokenizer
@@ -79,7 +79,7 @@ def test_chunked_head_with_a_compute_dtype_equals_autograd_of_bf16_operands():
     w = (torch.randn(50, 16, generator=g) * 0.3).requires_grad_()
     t = torch.randint(0, 50, (37,), generator=g)
     up = torch.randn(37, generator=g)
-    lp, _ = engine._ChunkedTokenLogprob.apply(h, w, None, t, 1.0, 8, True, torch.bfloat16)
+    lp, _ = logprobs._ChunkedTokenLogprob.apply(h, w, None, t, 1.0, 8, True, torch.bfloat16)
     (lp * up).sum().backward()
     got_h, got_w = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None

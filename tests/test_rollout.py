@@ -5,7 +5,6 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.rollout import Rollout, SamplingSettings, generate, sample_tokens
 
@@ -80,7 +79,7 @@ def test_same_seed_same_rollout_other_seed_differs(model, tokenizer, prompts):
 def hf_greedy(model, tokenizer, prompts, eos, G=2, max_new_tokens=24) -> tuple[torch.Tensor, torch.Tensor]:
     """HF generate's greedy completions [N, max_new_tokens] for the prompts, each repeated G times, and the left-padded prompts."""
     tokenizer.padding_side = "left"
-    enc = tokenizer.pad(Batch(input_ids=prompts), return_tensors="pt")
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
     ref = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=PAD)
     P = enc["input_ids"].shape[1]
     return ref[:, P:].repeat_interleave(G, 0), enc["input_ids"].repeat_interleave(G, 0)

@@ -58,7 +58,7 @@ from gcfamily.check.families import (
 )
 from gcfamily.check.second import SecondCheck, policyless_check
 from gcfamily.check.world import TOL_A, TOL_B, G, N, V, World, make, micro_batches
-from gcfamily.core import engine
+from gcfamily.core import engine, logprobs
 from gcfamily.data.batches import concat
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
@@ -124,7 +124,7 @@ def _engine_logps(X: torch.Tensor, mb: Batch, tau: float, softcap: float | None 
     (identity weight), so d loss / d X is d loss / d logits (with `softcap`, the pre-cap logits)."""
     mask = mb.loss_mask.bool()
     h = X[mb.row_id][mask]  # [tokens, V]
-    lp, _ = engine._ChunkedTokenLogprob.apply(
+    lp, _ = logprobs._ChunkedTokenLogprob.apply(
         h, torch.eye(V, dtype=X.dtype), None, mb.input_ids[mask], float(tau), 5, False, None, softcap
     )
     return torch.zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp)  # [b, L]
