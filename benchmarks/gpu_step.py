@@ -171,7 +171,7 @@ def decode_figures(trainer, new_tokens: int, mode: str, reps: int) -> dict:
 def grpo_figures(
     name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float, lora_r: int = 0
 ) -> dict:
-    import gcfamily.rollout as rollout
+    import gcfamily.rollout.native as rollout
     from gcfamily.config import Config
     from gcfamily.run.logger import read_metrics
     from gcfamily.run.trainer import Trainer

@@ -127,7 +127,7 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
 
         from gcfamily.core import engine
         from gcfamily.models import lora
-        from gcfamily import rollout
+        from gcfamily.rollout import native as rollout
         from gcfamily.run import trainer as trainer_mod
         from gcfamily.config import Config
         from gcfamily.methods import onpolicy

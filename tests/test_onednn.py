@@ -112,8 +112,8 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
     evaluations pack nothing, the default run packs every one, and the setting is undone when the run ends."""
     import contextlib
 
-    from gcfamily import rollout
     from gcfamily.config import Config
+    from gcfamily.rollout import native as rollout
     from gcfamily.run.trainer import Trainer
 
     with torch.no_grad(), onednn.packing(False), packed_linears(model, 4) as n:

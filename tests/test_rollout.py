@@ -231,7 +231,7 @@ SHARED = [
 
 
 def test_shared_prefix_length():
-    from gcfamily.rollout import _SHARE_MIN, _shared_prefix
+    from gcfamily.rollout.native import _SHARE_MIN, _shared_prefix
 
     assert _shared_prefix([[1, 2, 3] * 5, [1, 2, 3] * 5 + [9]]) == 14  # each prompt keeps at least one token of its own
     assert _shared_prefix([[5] * 20]) == 0 and _shared_prefix([[1] * 20, [2] * 20]) == 0
@@ -242,7 +242,7 @@ def test_shared_prefix_length():
 
 def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_the_same(model, tokenizer):
     # "you are terse. q: " (18 tokens) is computed once; greedy tokens must still equal HF's, and logps a fresh forward's.
-    import gcfamily.rollout as rollout
+    import gcfamily.rollout.native as rollout
 
     prompts = [tokenizer(p)["input_ids"] for p in SHARED]
     assert rollout._shared_prefix(prompts) == 18

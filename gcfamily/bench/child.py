@@ -1,6 +1,6 @@
 """One `gcf bench` run, in its own process: a normal Trainer run plus what the trainer does not record.
 
-    python -m gcfamily.bench.child OUT/METHOD/bench_spec.json      # what gcfamily/bench/__init__.py launches
+    python -m gcfamily.bench.child OUT/METHOD/bench_spec.json      # what gcfamily/bench/suite.py launches
 
 - the GC distribution (GCRecorder): the method's `coefficient` wrapped, the GC of every loss token of the effective
   mask kept (a random subsample past 200,000);

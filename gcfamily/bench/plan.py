@@ -1,5 +1,5 @@
 """What `gcf bench` runs: the suites (default and quick), each method's recipe and settings, budgets, the user's data, and
-which runs share the evaluation before training. gcfamily/bench/__init__.py launches the plans.
+which runs share the evaluation before training. gcfamily/bench/suite.py launches the plans.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What `gcf bench` writes: one method's figures from its run folder, the Markdown table and the plots.
 
-Read-only over the run folders (metrics.jsonl, bench_child.json); gcfamily/bench/__init__.py runs them.
+Read-only over the run folders (metrics.jsonl, bench_child.json); gcfamily/bench/suite.py runs them.
 """
 
 from __future__ import annotations

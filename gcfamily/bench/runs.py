@@ -1,5 +1,5 @@
 """The bench's runs: launching one child process to the end, and telling the bench's own runs (bench_spec.json) from what
-it must not replace. gcfamily/bench/__init__.py and gcfamily/bench/unified.py launch through these."""
+it must not replace. gcfamily/bench/suite.py and gcfamily/bench/unified.py launch through these."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Drawing one token per row from logits: the settings (temperature, top-k, top-p, greedy) and the draw itself.
 
-gcfamily/rollout/__init__.py calls `sample_tokens` once per decoding step; both are re-exported there.
+gcfamily/rollout/native.py calls `sample_tokens` once per decoding step; both are re-exported by gcfamily.rollout.
 """
 
 from __future__ import annotations

@@ -1,55 +1,19 @@
-"""Built-in tasks: offline problem generators with references and rewards (plus GSM8K from the hub)."""
+"""Built-in tasks: offline problem generators with references and rewards (plus GSM8K from the hub).
+
+base.py                 Task, what every task gives: train and held-out rows, a reward
+registry.py             TASKS, the table of built-in tasks by name, and get_task
+arithmetic.py, countdown.py, sorting.py, chained.py, gsm8k.py   one task each, with its rewards
+"""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
-from gcfamily.errors import GcfError
 from gcfamily.tasks.arithmetic import ArithmeticTask
 from gcfamily.tasks.base import Task
 from gcfamily.tasks.chained import ChainedTask, chained_process_reward, chained_reward
 from gcfamily.tasks.countdown import CountdownTask, countdown_reward, parse_expression
 from gcfamily.tasks.gsm8k import GSM8KTask, gsm8k_row
+from gcfamily.tasks.registry import DEFAULT_TASK, TASKS, get_task, task_options
 from gcfamily.tasks.sorting import SortingTask, sorting_partial_reward, sorting_reward
-
-DEFAULT_TASK = "arithmetic"
-
-TASKS: dict[str, type[Task]] = {
-    "arithmetic": ArithmeticTask,
-    "countdown": CountdownTask,
-    "sorting": SortingTask,
-    "chained": ChainedTask,
-    "gsm8k": GSM8KTask,
-}
-
-
-def task_options(name: str) -> list[str]:
-    """The option names a task accepts (its constructor's keywords besides ``seed``)."""
-    params = inspect.signature(TASKS[name].__init__).parameters
-    return [p for p in params if p not in ("self", "seed")]
-
-
-def get_task(name: str, seed: int = 0, **options: Any) -> Task:
-    """Build the task called ``name``; unknown names or options raise GcfError listing what exists."""
-    if name not in TASKS:
-        raise GcfError(f"unknown task '{name}'; choose one of {', '.join(TASKS)}.")
-    known = task_options(name)
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        listed = ", ".join(map(repr, unknown))
-        raise GcfError(f"task '{name}' has no option {listed}; its options are {', '.join(known)}.")
-    try:
-        return TASKS[name](seed=seed, **options)
-    except (
-        TypeError,
-        ValueError,
-    ) as e:  # an option of the wrong type ("3" for a number) fails inside the task's checks
-        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-        raise GcfError(
-            f"task '{name}' cannot take the options {given} ({e}); give numbers as numbers, e.g. {{min_len: 2}}."
-        ) from e
-
 
 __all__ = [
     "DEFAULT_TASK",

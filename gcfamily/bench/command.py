@@ -1,0 +1,186 @@
+"""`gcf bench`: its options, and the suite they choose (the default suite, several tasks, a dataset, or --suite unified)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from gcfamily.bench.plan import DEFAULT_METHODS, default_methods
+from gcfamily.bench.suite import run_bench
+from gcfamily.errors import GcfError
+
+
+@click.command("bench")
+@click.option(
+    "--methods",
+    default=None,
+    help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.",
+)
+@click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
+@click.option(
+    "--task",
+    default=None,
+    help="Built-in task, a preset (sorting-short: sorting of 2-3 numbers), or several comma-separated (one suite each, "
+    "OUT/TASK/); default arithmetic (chained with --suite unified).",
+)
+@click.option(
+    "--suite",
+    type=click.Choice(["default", "unified"]),
+    default="default",
+    show_default=True,
+    help="default: the methods from the base model on one budget; unified: DeepSeekMath 5.2.2's comparison, every method "
+    "from one SFT model on the same prompts, with the paper's four findings (gcfamily/bench/unified.py).",
+)
+@click.option(
+    "--budget",
+    default=None,
+    help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).",
+)
+@click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
+@click.option(
+    "--output-dir",
+    "--out",
+    "out",
+    default=None,
+    help="Output folder (--out is the older spelling); default runs/bench (runs/bench-quick with --quick).",
+)
+@click.option(
+    "--set", "sets", multiple=True, help="Override a setting for every method (key=value) or one (grpo.lr=1e-6)."
+)
+@click.option(
+    "--threads", type=int, default=None, help="CPU threads per run; default 1 with --quick, else torch's default."
+)
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Run every method again, even one that already finished in --out with the same settings.",
+)
+@click.option(
+    "--replace-runs",
+    is_flag=True,
+    help="Replace what a method's folder OUT/<method> holds that this bench did not start: "
+    "a run of your own, a model, or a bench run of other settings (refused without it).",
+)
+@click.option(
+    "--seeds",
+    type=click.IntRange(1, 100),
+    default=1,
+    show_default=True,
+    help="Runs per method (seeds 0..N-1): means, intervals and bands.",
+)
+@click.option(
+    "--baseline",
+    default=None,
+    help="Method every other is compared with, paired over prompts and seeds; default the first.",
+)
+@click.option(
+    "--sweep",
+    default=None,
+    help="KEY=V1,V2,...: each method's value chosen on a validation split (never the held-out prompts), "
+    "then its held-out accuracy reported.",
+)
+@click.option(
+    "--dataset",
+    default=None,
+    help="Your training rows instead of a task (file, save_to_disk folder or hub id; any TRL format): "
+    "the methods that can train on its format run, the rest are left out and said.",
+)
+@click.option(
+    "--eval-dataset",
+    default=None,
+    help="With --dataset: held-out rows scored by --reward before and after training (split: --set eval_split=NAME).",
+)
+@click.option(
+    "--reward",
+    multiple=True,
+    help="With --dataset: reward(s) for the on-policy methods and the evaluation: built-in name, module:function or file.py:function.",
+)
+def bench(
+    methods: Optional[str],
+    model: Optional[str],
+    task: Optional[str],
+    suite: str,
+    budget: Optional[str],
+    quick: bool,
+    out: Optional[str],
+    sets: tuple[str, ...],
+    threads: Optional[int],
+    fresh: bool,
+    replace_runs: bool,
+    seeds: int,
+    baseline: Optional[str],
+    sweep: Optional[str],
+    dataset: Optional[str],
+    eval_dataset: Optional[str],
+    reward: tuple[str, ...],
+) -> None:
+    """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
+    from gcfamily.config import parse_sets
+
+    if suite == "unified":
+        given = [
+            n
+            for n, v in (
+                ("--methods", methods),
+                ("--budget", budget),
+                ("--baseline", baseline),
+                ("--sweep", sweep),
+                ("--dataset", dataset),
+            )
+            if v
+        ]
+        if given:
+            raise GcfError(
+                f"{given[0]} does not go with --suite unified: its methods, budget and control are the paper's."
+            )
+        from gcfamily.bench.unified import run_unified
+
+        folder = Path(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
+        res = run_unified(folder, quick, seeds, parse_sets(sets), threads, click.echo, fresh, replace_runs, model, task)
+        failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
+        if failed:
+            raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")
+        return
+    task = task or "arithmetic"
+    if dataset is None and (eval_dataset or reward):
+        raise GcfError(
+            "--eval-dataset and --reward go with --dataset (a built-in task brings its own held-out prompts and reward)."
+        )
+
+    if methods == "all":  # every method of the zoo: built in, and registered by installed packages
+        from gcfamily.methods import all_methods
+
+        chosen = list(all_methods())
+    else:
+        chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
+    folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
+    tasks = (
+        [t.strip() for t in task.split(",") if t.strip()]
+        if dataset is None
+        else [Path(dataset.rstrip("/")).stem or dataset]
+    )
+    data = None if dataset is None else {"dataset": dataset, "eval_dataset": eval_dataset, "reward": list(reward)}
+    failed = []
+    for t in tasks:  # several tasks: one suite each, in OUT/<task>/
+        res = run_bench(
+            chosen,
+            model,
+            t,
+            budget,
+            quick,
+            folder / t if len(tasks) > 1 else folder,
+            parse_sets(sets),
+            threads,
+            echo=click.echo,
+            fresh=fresh,
+            seeds=seeds,
+            baseline=baseline,
+            sweep=sweep,
+            data=data,
+            replace_runs=replace_runs,
+        )
+        failed += [f"{n} ({t})" if len(tasks) > 1 else n for n, r in res["results"].items() if r.get("returncode") != 0]
+    if failed:
+        raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

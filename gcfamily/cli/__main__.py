@@ -1,0 +1,5 @@
+"""`python -m gcfamily.cli` is `gcf`."""
+
+from gcfamily.cli import main
+
+main()

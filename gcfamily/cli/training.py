@@ -1,0 +1,246 @@
+"""`gcf run` (train a model with a method) and `gcf eval` (a model's held-out accuracy, or mean reward on your rows): the
+commands that load a model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+import click
+
+from gcfamily.cli.options import _overrides, _resolve
+from gcfamily.errors import GcfError
+
+
+@click.command()
+@click.option("--method", help="Method: a name from `gcf methods`, module:Class or path/to/file.py:Class.")
+@click.option("--model", help="Alias (tiny, smollm2-135m, qwen-0.5b), hub id or local folder.")
+@click.option("--task", help="Built-in task (arithmetic, countdown, sorting, ...).")
+@click.option(
+    "--dataset",
+    help="JSONL/JSON/parquet/CSV file, save_to_disk folder, or hub id (org/name); any TRL format the method takes.",
+)
+@click.option("--dataset-config", help="The hub dataset's configuration (subset), e.g. main.")
+@click.option("--config", "config_path", type=str, help="YAML recipe (configs/...).")
+@click.option("--set", "sets", multiple=True, help="Override any setting: --set key=value (repeatable).")
+@click.option("--max-steps", type=int)
+@click.option("--output-dir", type=str)
+@click.option(
+    "--reward",
+    multiple=True,
+    callback=lambda _ctx, _p, v: (v[0] if len(v) == 1 else list(v)) if v else None,
+    help="Reward: built-in name, module:function or file.py:function; repeat for several (weights: --set reward_weights=[1,0.5]).",
+)
+@click.option("--reward-model", help="Folder of a trained reward model.")
+@click.option("--seed", type=int)
+@click.option(
+    "--resume",
+    is_flag=False,
+    flag_value="latest",
+    default=None,
+    help="Continue from the newest checkpoint (or from PATH).",
+)
+@click.option("--overwrite", is_flag=True, default=None, help="Replace a previous run in the output folder.")
+@click.option("--trust-remote-code", is_flag=True, default=None, help="Allow model code from the hub.")
+@click.option("--eval", "eval_at_ends", is_flag=True, default=None, help="Held-out accuracy before and after training.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes (torch.distributed) on this machine.")
+@click.option("--strategy", type=str, help="ddp or fsdp2 when --nproc > 1.")
+def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str], nproc: int, **opts: Any) -> None:
+    """Train a model with a method."""
+    from gcfamily.config import parse_sets
+    from gcfamily.config import validate
+    from gcfamily.models import check_source, context_of
+
+    overrides = _overrides(**opts)
+    overrides.update(parse_sets(sets))
+    cfg = _resolve(config_path, overrides)
+    validate(cfg)  # before any folder is named, taken or cleared, and before --nproc starts processes
+    check_source(cfg.model)  # a damaged model folder is refused before --overwrite clears the output folder
+    context = context_of(cfg.model)
+    if context is not None and cfg.max_length > context:  # longer rows would run past the model's positions
+        raise GcfError(
+            f"max_length={cfg.max_length} is longer than the context of model {cfg.model} ({context} positions, "
+            f"max_position_embeddings); set max_length <= {context}."
+        )
+    if "output_dir" not in cfg.explicit:
+        from gcfamily.api import default_output_dir
+
+        cfg = default_output_dir(cfg, resume)
+        if nproc > 1 and "run" in sys.argv:  # every process must write to the same folder
+            sys.argv += ["--output-dir", cfg.output_dir]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process of torchrun (or of --nproc)
+        from gcfamily.run.launch import run_process
+
+        run_process(cfg, resume)
+        return
+    if nproc > 1:
+        from gcfamily.run.distributed import check_batch_size
+        from gcfamily.run.launch import launch
+
+        check_batch_size(cfg.batch_size, nproc)
+        if "run" not in sys.argv:
+            raise GcfError(
+                "--nproc re-runs the `gcf run` command line; call it as `gcf run ... --nproc N`, or use torchrun."
+            )
+        sys.exit(launch(nproc, sys.argv[sys.argv.index("run") :]))
+    from gcfamily.run.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=resume)
+    trainer.run()
+    if trainer.is_main:
+        click.echo(trainer.summary())
+
+
+@click.command("eval")
+@click.option(
+    "--model", default="smollm2-135m", show_default=True, help="Alias, hub id or local folder (e.g. a run folder)."
+)
+@click.option("--task", default="arithmetic", show_default=True)
+@click.option(
+    "--dataset",
+    default=None,
+    help="Your held-out rows instead of a task (file, save_to_disk folder or hub id); needs --reward.",
+)
+@click.option("--dataset-config", default=None, help="The hub dataset's configuration (subset).")
+@click.option("--split", default="test", show_default=True, help="Split of --dataset.")
+@click.option(
+    "--reward",
+    multiple=True,
+    help="Reward(s) scoring --dataset completions: built-in name, module:function or file.py:function.",
+)
+@click.option("--samples", default=200, show_default=True, type=click.IntRange(min=1), help="Held-out prompts.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seed of the task's train/test split and of --maj-k's sampling.",
+)
+@click.option(
+    "--maj-k",
+    "maj_k",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Also sample K completions per held-out prompt: Maj@K (majority vote of their answers) and pass@K.",
+)
+@click.option(
+    "--temperature",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Temperature of the --maj-k samples.  [default: 1.0]",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).",
+)
+@click.option("--device", default="auto", show_default=True)
+def eval_cmd(
+    model: str,
+    task: str,
+    dataset: Optional[str],
+    dataset_config: Optional[str],
+    split: str,
+    reward: tuple[str, ...],
+    samples: int,
+    max_new_tokens: int,
+    seed: int,
+    maj_k: Optional[int],
+    temperature: Optional[float],
+    sets: tuple[str, ...],
+    device: str,
+) -> None:
+    """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding.
+
+    With --maj-k K, also Maj@K and pass@K from K completions sampled per held-out prompt (task only: the vote needs the
+    task's answer extraction)."""
+    import time
+
+    from gcfamily.config import parse_sets
+    from gcfamily.models import load_model
+    from gcfamily.run.trainer import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if temperature is not None and maj_k is None:
+        raise GcfError("--temperature sets the temperature of the --maj-k samples; add --maj-k K or drop it.")
+    temperature = 1.0 if temperature is None else temperature
+    if dataset is None and reward:
+        raise GcfError(
+            "--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset)."
+        )
+    if dataset is not None:
+        from gcfamily.config import Config, apply
+        from gcfamily.config import validate
+        from gcfamily.data.sources import load_rows
+        from gcfamily.run.evaluate import evaluate_rows
+        from gcfamily.data.formats import Formatter
+        from gcfamily.rewards import Rewards
+
+        if not reward:
+            raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
+        if maj_k is not None:
+            from gcfamily.run.evaluate import answer_extractor
+
+            answer_extractor(None)  # rows scored by reward functions read no answers: the one-sentence error
+        cfg = apply(Config(), parse_sets(sets), "--set")
+        validate(cfg)
+        rows = load_rows(dataset, split, dataset_config, cfg.columns)
+        m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+        fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+        t0 = time.time()
+        from gcfamily.core import onednn
+
+        with onednn.packing(cfg.rollout_pack_weights):
+            out = evaluate_rows(
+                m,
+                fmt,
+                rows,
+                Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout),
+                max_new_tokens,
+                n=samples,
+            )
+        acc = f", accuracy {out['eval/accuracy']:.3f}" if "eval/accuracy" in out else ""
+        click.echo(
+            f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
+            f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
+        )
+        return
+    from gcfamily.run.evaluate import answer_extractor, heldout_accuracy, sampled_eval
+    from gcfamily.tasks import get_task
+
+    import yaml
+
+    try:  # --set min_len=2: a number, as in a recipe's task_options
+        options = {k: yaml.safe_load(v) for k, v in parse_sets(sets).items()}
+    except yaml.YAMLError as e:
+        raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
+    t = get_task(task, seed=seed, **options)
+    answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
+    m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+    t0 = time.time()
+    acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
+    n = len(t.heldout_rows(samples))
+    click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
+    if maj_k is not None:
+        from gcfamily.data.formats import Formatter
+
+        t0 = time.time()
+        got = sampled_eval(
+            m,
+            Formatter(tok),
+            t.heldout_rows(samples),
+            t.reward,
+            maj_k,
+            temperature,
+            max_new_tokens,
+            seed,
+            answer=answer,
+        )
+        click.echo(
+            f"{model} on {task}: maj@{maj_k} {got.maj_at_k:.3f}, pass@{maj_k} {got.pass_at_k[maj_k]:.3f}, "
+            f"pass@1 {got.pass_at_k[1]:.3f} from {maj_k} samples per prompt at temperature {temperature:g} over "
+            f"{got.prompts} prompts ({got.unanswered} with no answer in any sample) in {time.time() - t0:.1f} s"
+        )
