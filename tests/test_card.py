@@ -15,7 +15,7 @@ from gcfamily.methods import METHODS, get_method, resolve
 from gcfamily.methods.onpolicy import OnPolicy
 from gcfamily.run import card
 from gcfamily.run.card import summary, write_model_card
-from gcfamily.run.writes import WriteFailed
+from gcfamily.run.folder.writes import WriteFailed
 
 GRPO_INFO = {"name": "grpo", "data_source": "on-policy groups of G outputs per prompt", "gc_formula": "r_t * A_i"}
 SFT_INFO = {"name": "sft", "data_source": "fixed demonstrations (prompt, completion)", "gc_formula": "+1 per token"}

@@ -75,7 +75,7 @@ def test_a_live_lock_is_refused_and_a_stale_one_taken_over(gcf, tmp_path):
     out.mkdir()
     lock = out / ".gcf.lock"
     holder = (  # a process that holds the folder's lock as a run does, until it is killed
-        "import sys, time; from pathlib import Path; from gcfamily.run.lock import RunLock; "
+        "import sys, time; from pathlib import Path; from gcfamily.run.folder.lock import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)"
     )
     live = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)

@@ -164,7 +164,7 @@ def reuse_start_evaluation(trainer: Any, source: Path, last: bool = False) -> bo
         if trainer.step != 0:
             return own()
         if trainer.is_main:
-            from gcfamily.run.writes import append_lines
+            from gcfamily.run.folder.writes import append_lines
 
             append_lines(trainer.out_dir / "eval_details.jsonl", [details], run_dir=trainer.out_dir)
         return dict(figures)

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import os_error
+from gcfamily.run.folder.writes import os_error
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"

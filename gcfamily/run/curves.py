@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gcfamily.run.writes import write_atomic
+from gcfamily.run.folder.writes import write_atomic
 
 NAME = "curves.png"
 

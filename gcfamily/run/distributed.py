@@ -40,7 +40,7 @@ from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
 from gcfamily.models import lora
 from gcfamily.run import checkpoint
-from gcfamily.run.writes import write_folder
+from gcfamily.run.folder.writes import write_folder
 
 SUM_METRICS = (
     "loss",

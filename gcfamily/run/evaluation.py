@@ -22,7 +22,7 @@ from typing import Any
 
 from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import append_lines
+from gcfamily.run.folder.writes import append_lines
 
 
 class Evaluation:

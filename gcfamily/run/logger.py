@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import append_bytes, append_lines
+from gcfamily.run.folder.writes import append_bytes, append_lines
 
 TRACKERS = ("tensorboard", "wandb", "none")
 

@@ -18,7 +18,7 @@ from gcfamily.config import to_dict
 from gcfamily.core import precision
 from gcfamily.models import lora
 from gcfamily.run import checkpoint, distributed
-from gcfamily.run.writes import WriteFailed, os_error, write_folder
+from gcfamily.run.folder.writes import WriteFailed, os_error, write_folder
 
 
 class Saving:

@@ -31,11 +31,12 @@ from gcfamily.models import load_model, lora
 from gcfamily.rollout import context_length
 from gcfamily.run import checkpoint
 from gcfamily.run.evaluation import Evaluation
-from gcfamily.run.folder import RunFolder, apply_changed_settings
+from gcfamily.run.folder import RunFolder
+from gcfamily.run.folder.transaction import apply_changed_settings
 from gcfamily.run.logger import RunLogger
 from gcfamily.run.saving import Saving
 from gcfamily.run.services import RunServices
-from gcfamily.run.writes import resume_hint
+from gcfamily.run.folder.writes import resume_hint
 
 _HOST = ("input_ids", "attention_mask", "loss_mask")  # the fields whose CPU copies lay out a micro-batch
 

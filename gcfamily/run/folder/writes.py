@@ -26,7 +26,7 @@ from gcfamily.errors import GcfError
 
 STAGE = ".tmp-final"
 """The temporary folder `write_folder` writes into, inside the target; a killed run's leftover goes at the next write_folder
-(and --overwrite takes it for the run's: gcfamily/run/transaction.py, .tmp-*)."""
+(and --overwrite takes it for the run's: gcfamily/run/folder/ownership.py, .tmp-*)."""
 
 
 def os_error(e: BaseException) -> OSError | None:
