@@ -463,14 +463,14 @@ def eval_cmd(
         from gcfamily.config import Config, apply
         from gcfamily.config import validate
         from gcfamily.data.sources import load_rows
-        from gcfamily.run.evaluate import evaluate_rows
+        from gcfamily.run.heldout import evaluate_rows
         from gcfamily.data.formats import Formatter
         from gcfamily.rewards import Rewards
 
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
         if maj_k is not None:
-            from gcfamily.run.evaluate import answer_extractor
+            from gcfamily.run.heldout import answer_extractor
 
             answer_extractor(None)  # rows scored by reward functions read no answers: the one-sentence error
         cfg = apply(Config(), parse_sets(sets), "--set")
@@ -496,7 +496,7 @@ def eval_cmd(
             f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
         )
         return
-    from gcfamily.run.evaluate import answer_extractor, heldout_accuracy, sampled_eval
+    from gcfamily.run.heldout import answer_extractor, heldout_accuracy, sampled_eval
     from gcfamily.tasks import get_task
 
     import yaml

@@ -23,7 +23,7 @@ import yaml
 from gcfamily.models import HUB_ALIASES, OFFLINE_ALIASES
 from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
 from gcfamily.rewards.verifiable import REWARDS
-from gcfamily.run.evaluate import accuracy_change
+from gcfamily.run.heldout import accuracy_change
 from gcfamily.run.folder.writes import write_atomic
 
 # the settings a reader wants even when the defaults were kept
