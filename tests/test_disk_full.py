@@ -28,7 +28,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format as checkpoint
 from gcfamily.run.trainer import Trainer
 
 FULL = "No space left on device"

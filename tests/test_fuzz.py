@@ -281,7 +281,7 @@ def checkpoint_template(tmp_path_factory) -> Path:
     import torch
 
     from gcfamily.models import tiny_model, tiny_tokenizer
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     run = tmp_path_factory.mktemp("fuzz-run") / "run"
     model = tiny_model(len(tiny_tokenizer()))
@@ -296,7 +296,7 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
     """file -> (its path in `run`, what reads it as a run does)."""
     from gcfamily.config.io import load_yaml, read
     from gcfamily.models import tiny_model, tiny_tokenizer
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
     from gcfamily.run.folder.lock import LOCK, RunLock
     from gcfamily.run.folder.ownership import holds_run, read_record
     from gcfamily.run.folder.resuming import settings_of, truncate_logs

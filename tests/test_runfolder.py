@@ -155,7 +155,7 @@ WRITES = ["weights", "state", "tokenizer", "manifest", "marker"]
 def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resumable(gcf, tmp_path, monkeypatch, which):
     import torch
 
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     out = tmp_path / "r"
     calls = {"n": 0}
@@ -207,7 +207,7 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
 
 
 def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     monkeypatch.setattr(
         checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))

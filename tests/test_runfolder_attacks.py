@@ -21,7 +21,7 @@ from conftest import metrics_rows
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError, Interrupted
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format as checkpoint
 from gcfamily.run.folder.lock import LOCK, RunLock
 from gcfamily.run.folder.ownership import CLAIMS, RECORD
 from gcfamily.run.folder.resuming import finish_pending, truncate_logs

@@ -39,7 +39,7 @@ from torch import nn
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
 from gcfamily.models import lora
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format
 from gcfamily.run.folder.writes import write_folder
 
 SUM_METRICS = (
@@ -341,7 +341,7 @@ class DistEnv:
         )
         method_state = _full(trainer.method.state_dict())
         rngs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rngs, checkpoint.rng_state(trainer.generator))
+        dist.all_gather_object(rngs, checkpoint_format.rng_state(trainer.generator))
         path = None
         if self.is_main:
             state = {
@@ -351,8 +351,8 @@ class DistEnv:
                 "rank_rng": rngs,
                 "strategy": self.strategy,
             }
-            as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint.save reads of a model
-            path = checkpoint.save(
+            as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint_format.save reads of a model
+            path = checkpoint_format.save(
                 trainer.out_dir / "checkpoints",
                 trainer.step,
                 as_model,

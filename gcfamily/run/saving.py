@@ -1,10 +1,11 @@
-"""The run's saving: resumable checkpoints and their exact restore, the final model folder, its card and the console
-summary. An object the Trainer holds; a checkpoint is of the run it is given (`save_checkpoint(run)`), as the distributed
-save is (gcfamily/run/distributed.py).
+"""The run's saving: what goes into its resumable checkpoints and their exact restore (the files' format is
+gcfamily/run/checkpoint_format.py), the final model folder, its card and the console summary. An object the Trainer
+holds; a checkpoint is of the run it is given (`save_checkpoint(run)`), as the distributed save is
+(gcfamily/run/distributed.py).
 
 A full disk loses nothing saved: the final model's files are written into a temporary folder inside the run folder and
-moved into place once all are written (gcfamily/run/writes.py), a checkpoint's extras go into the checkpoint's own
-temporary folder (gcfamily/run/checkpoint.py), and a failure ends in one sentence naming the last intact checkpoint.
+moved into place once all are written (gcfamily/run/folder/writes.py), a checkpoint's extras go into the checkpoint's own
+temporary folder (gcfamily/run/checkpoint_format.py), and a failure ends in one sentence naming the last intact checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from gcfamily.config import to_dict
 from gcfamily.core import precision
 from gcfamily.models import lora
-from gcfamily.run import checkpoint, distributed
+from gcfamily.run import checkpoint_format, distributed
 from gcfamily.run.folder.writes import WriteFailed, os_error, write_folder
 
 
@@ -37,7 +38,7 @@ class Saving:
             return self.dist.save_checkpoint(run)
         if not self.is_main:
             return None
-        return checkpoint.save(
+        return checkpoint_format.save(
             self.out_dir / "checkpoints",
             run.step,
             run.unwrapped_policy(),
@@ -59,11 +60,11 @@ class Saving:
             return None
 
         def write(folder: Path) -> None:
-            # `folder` is the checkpoint's temporary folder, which checkpoint.save removes when a write raises OSError:
+            # `folder` is the checkpoint's temporary folder, which checkpoint_format.save removes when a write raises OSError:
             # the tokenizer's own error type (tokenizers raise a bare Exception for a full disk) is turned into one
             try:
                 if settings is not None:
-                    (folder / checkpoint.SETTINGS).write_text(json.dumps(settings, indent=2))
+                    (folder / checkpoint_format.SETTINGS).write_text(json.dumps(settings, indent=2))
                 if weight_keys is None:
                     model.config.save_pretrained(folder)
                     tokenizer.save_pretrained(folder)
@@ -82,7 +83,7 @@ class Saving:
     def load_checkpoint(self, path: Path, policy: Any, weight_keys: set[str] | None, method: Any) -> dict[str, Any]:
         """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest of the
         state (optimizer, schedule, RNG, counters) is returned for the run to restore once its optimizer exists."""
-        state = distributed.local_state(checkpoint.load(path, policy, weight_keys), self.dist)
+        state = distributed.local_state(checkpoint_format.load(path, policy, weight_keys), self.dist)
         method.load_state_dict(state["method"])
         return state
 

@@ -29,7 +29,7 @@ from gcfamily.methods import get_method
 from gcfamily.methods.base import GENERATED, Batch, Method
 from gcfamily.models import load_model, lora
 from gcfamily.rollout import context_length
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format
 from gcfamily.run.evaluation import Evaluation
 from gcfamily.run.folder import RunFolder
 from gcfamily.run.folder.transaction import apply_changed_settings
@@ -228,7 +228,7 @@ class Trainer:
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(self.generator),
+            "rng": checkpoint_format.rng_state(self.generator),
             "method": self.method.state_dict(),
             "skipped_steps": self.skipped_steps,
             "bad_steps": self.bad_steps,
@@ -247,7 +247,7 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"], self.generator)
+        checkpoint_format.set_rng_state(state["rng"], self.generator)
         self.step = int(state["step"])
         self.skipped_steps, self.bad_steps = int(state["skipped_steps"]), int(state["bad_steps"])
         self.first_bad_step = state.get("first_bad_step")
@@ -424,7 +424,7 @@ class Trainer:
             )
         else:
             return
-        last = checkpoint.complete_checkpoints(self.out_dir / "checkpoints")
+        last = checkpoint_format.complete_checkpoints(self.out_dir / "checkpoints")
         kept = f"the checkpoint of step {last[-1].name[5:]} intact" if last else "no checkpoint saved"
         raise GcfError(f"{what}; stopping at step {self.step + 1} with {kept} (lower lr or check the data).")
 

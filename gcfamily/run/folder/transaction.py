@@ -25,7 +25,7 @@ from gcfamily.config import to_dict
 from gcfamily.core import engine
 from gcfamily.errors import GcfError
 from gcfamily.models import lora
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format
 from gcfamily.run.folder import aside, checks, ownership, resuming
 from gcfamily.run.folder.lock import RunLock
 from gcfamily.run.folder.writes import write_atomic
@@ -113,7 +113,7 @@ class RunFolder:
         record = to_dict(cfg)
         path, change = None, None
         if resume is not None:
-            path = checkpoint.find(resume, out)
+            path = checkpoint_format.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
             saved = resuming.settings_of(path)  # the checkpoint's own, wherever this run continues
             change = resuming.check_resume(

@@ -1,4 +1,5 @@
-"""Resumable checkpoints, written atomically: a temporary folder, a COMPLETE marker, a rename.
+"""The checkpoint format: how a resumable checkpoint folder is written, checked, found and read, atomically (a
+temporary folder, a COMPLETE marker, a rename). What a run puts into one is gcfamily/run/saving.py's.
 
 A checkpoint folder `step-N/` holds the model (safetensors), and in `state.pt` the optimizer,
 scheduler, every RNG state, the step and the method's own state; `run_config.json` the settings
