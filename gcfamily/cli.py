@@ -449,7 +449,7 @@ def eval_cmd(
 
     from gcfamily.config import parse_sets
     from gcfamily.models import load_model
-    from gcfamily.run.trainer import resolve_device, resolve_dtype
+    from gcfamily.run.build import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if temperature is not None and maj_k is None:

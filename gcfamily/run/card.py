@@ -23,8 +23,8 @@ import yaml
 from gcfamily.models import HUB_ALIASES, OFFLINE_ALIASES
 from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
 from gcfamily.rewards.verifiable import REWARDS
-from gcfamily.run.heldout import accuracy_change
 from gcfamily.run.folder.writes import write_atomic
+from gcfamily.run.heldout import accuracy_change
 
 # the settings a reader wants even when the defaults were kept
 CORE_SETTINGS = ("lr", "batch_size", "max_steps", "seed", "dtype")

@@ -36,7 +36,7 @@ from gcfamily.run.folder.writes import os_error
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 STATE_KEYS = ("step", "optimizer", "scheduler", "rng", "method")
-"""What a run's state.pt holds at least (Trainer.training_state)."""
+"""What a run's state.pt holds at least (Saving.training_state)."""
 SETTINGS = "run_config.json"  # the run's settings when the checkpoint was written (gcfamily/run/saving.py)
 
 

@@ -41,6 +41,7 @@ from gcfamily.errors import GcfError
 from gcfamily.models import lora
 from gcfamily.run import checkpoint_format
 from gcfamily.run.folder.writes import write_folder
+from gcfamily.run.view import TrainerView
 
 SUM_METRICS = (
     "loss",
@@ -331,7 +332,7 @@ class DistEnv:
             out[k] = cache[id(v)]
         return out
 
-    def save_checkpoint(self, trainer: Any) -> Path | None:
+    def save_checkpoint(self, trainer: TrainerView) -> Path | None:
         """The single-process checkpoint format, written by rank 0 from gathered state, plus every rank's RNG."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -345,7 +346,7 @@ class DistEnv:
         path = None
         if self.is_main:
             state = {
-                **trainer.training_state(),
+                **trainer.saving.training_state(trainer),
                 "optimizer": optim,
                 "method": method_state,
                 "rank_rng": rngs,
@@ -359,7 +360,7 @@ class DistEnv:
                 state,
                 trainer.cfg.keep_last,
                 trainer.weight_keys(),
-                trainer.checkpoint_extras(),
+                trainer.saving.extras_of(trainer),
             )
         dist.barrier()
         return path
@@ -370,7 +371,7 @@ class DistEnv:
 
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-    def save_final(self, trainer: Any, write: Callable[[Path, dict[str, torch.Tensor] | None], None]) -> None:
+    def save_final(self, trainer: TrainerView, write: Callable[[Path, dict[str, torch.Tensor] | None], None]) -> None:
         """Rank 0 writes the final folder with `write(folder, weights)` (save_pretrained of the full model and the
         tokenizer: loadable without torch.distributed), all of its files or none (writes.write_folder); `weights` are
         gathered on every rank first (FSDP2), None for a LoRA model (DDP keeps a whole copy on every rank).

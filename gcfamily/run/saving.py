@@ -20,6 +20,7 @@ from gcfamily.core import precision
 from gcfamily.models import lora
 from gcfamily.run import checkpoint_format, distributed
 from gcfamily.run.folder.writes import WriteFailed, os_error, write_folder
+from gcfamily.run.view import TrainerView
 
 
 class Saving:
@@ -32,7 +33,7 @@ class Saving:
         """The run's RunLogger, once it is open (completions go to it)."""
         self.final_saved = False
 
-    def save_checkpoint(self, run: Any) -> Path | None:
+    def save_checkpoint(self, run: TrainerView) -> Path | None:
         """A resumable checkpoint of `run` (the Trainer) in out_dir/checkpoints (rank 0 writes)."""
         if self.dist is not None:
             return self.dist.save_checkpoint(run)
@@ -42,11 +43,35 @@ class Saving:
             self.out_dir / "checkpoints",
             run.step,
             run.unwrapped_policy(),
-            run.training_state(),
+            self.training_state(run),
             self.cfg.keep_last,
             run.weight_keys(),
-            run.checkpoint_extras(),
+            self.extras_of(run),
         )
+
+    @staticmethod
+    def training_state(run: TrainerView) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs (Trainer._restore reads it back)."""
+        return {
+            "step": run.step,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "rng": checkpoint_format.rng_state(run.generator),
+            "method": run.method.state_dict(),
+            "skipped_steps": run.skipped_steps,
+            "bad_steps": run.bad_steps,
+            "trained_steps": run.trained_steps,
+            "first_bad_step": run.first_bad_step,
+            "elapsed_s": run.budget.elapsed_s,
+            "tokens_seen": run.budget.tokens_seen,
+            "flops_seen": run.budget.flops_seen,
+            "threads": run.threads.count,
+        }
+
+    @staticmethod
+    def extras_of(run: TrainerView) -> Callable[[Path], None] | None:
+        """The run's settings, and for a full-weight checkpoint config.json and the tokenizer (checkpoint_extras)."""
+        return Saving.checkpoint_extras(run.unwrapped_policy(), run.tokenizer, run.weight_keys(), run.folder.record)
 
     @staticmethod
     def checkpoint_extras(
@@ -87,7 +112,7 @@ class Saving:
         method.load_state_dict(state["method"])
         return state
 
-    def save_final(self, policy: Any, tokenizer: Any, method: Any, run: Any) -> None:
+    def save_final(self, policy: Any, tokenizer: Any, method: Any, run: TrainerView) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers (`run` for the distributed save).
 
         All of its files or none: they are written into a temporary folder in the run folder, then moved into place; a

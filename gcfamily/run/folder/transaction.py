@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from gcfamily.config import to_dict
-from gcfamily.core import engine
 from gcfamily.errors import GcfError
 from gcfamily.models import lora
 from gcfamily.run import checkpoint_format
@@ -206,16 +205,3 @@ def _say(note: str | None) -> None:
 
 def _names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-
-
-def apply_changed_settings(cfg: Any, optimizer: Any, scheduler: Any, total_steps: int) -> None:
-    """allow_changed_settings: the resumed optimizer takes the new lr, schedule, weight decay and betas (the checkpoint holds the old)."""
-    f = engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    groups = optimizer.param_groups
-    scheduler.base_lrs = [cfg.lr] * len(groups)
-    scheduler.lr_lambdas = [f] * len(groups)
-    for i, g in enumerate(groups):
-        g["initial_lr"], g["lr"], g["betas"] = cfg.lr, cfg.lr * f(scheduler.last_epoch), tuple(cfg.adam_betas)
-        if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
-            g["weight_decay"] = cfg.weight_decay
-    scheduler._last_lr = [g["lr"] for g in groups]
