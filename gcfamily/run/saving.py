@@ -162,8 +162,8 @@ class Saving:
 
     def summary(self, step: int, seconds: float) -> str:
         """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""
-        from gcfamily.run.card import summary
         from gcfamily.run.logger import read_metrics
+        from gcfamily.run.summary import summary
 
         rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
         return summary(rows, step, seconds, self.out_dir, self.final_saved)
