@@ -20,6 +20,7 @@ from gcfamily.errors import GcfError
 from gcfamily.methods.base import Method
 from gcfamily.models import load_model, lora
 from gcfamily.rollout import context_length
+from gcfamily.run import distributed_save
 
 if TYPE_CHECKING:
     from gcfamily.methods.services import Services
@@ -122,7 +123,7 @@ def restore_optimizer(
 ) -> None:
     """A checkpoint's optimizer and schedule, once the optimizer exists (FSDP2: each rank its shard)."""
     if dist is not None:
-        dist.load_optimizer(policy, optimizer, state["optimizer"])
+        distributed_save.load_optimizer(policy, optimizer, state["optimizer"])
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -18,7 +18,7 @@ from typing import Any
 from gcfamily.config import to_dict
 from gcfamily.core import precision
 from gcfamily.models import lora
-from gcfamily.run import checkpoint_format, distributed
+from gcfamily.run import checkpoint_format, distributed_save
 from gcfamily.run.folder.writes import WriteFailed, os_error, write_folder
 from gcfamily.run.view import TrainerView
 
@@ -36,7 +36,7 @@ class Saving:
     def save_checkpoint(self, run: TrainerView) -> Path | None:
         """A resumable checkpoint of `run` (the Trainer) in out_dir/checkpoints (rank 0 writes)."""
         if self.dist is not None:
-            return self.dist.save_checkpoint(run)
+            return distributed_save.save_checkpoint(self.dist, run)
         if not self.is_main:
             return None
         return checkpoint_format.save(
@@ -108,7 +108,7 @@ class Saving:
     def load_checkpoint(self, path: Path, policy: Any, weight_keys: set[str] | None, method: Any) -> dict[str, Any]:
         """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest of the
         state (optimizer, schedule, RNG, counters) is returned for the run to restore once its optimizer exists."""
-        state = distributed.local_state(checkpoint_format.load(path, policy, weight_keys), self.dist)
+        state = distributed_save.local_state(checkpoint_format.load(path, policy, weight_keys), self.dist)
         method.load_state_dict(state["method"])
         return state
 
@@ -131,7 +131,7 @@ class Saving:
             tokenizer.save_pretrained(folder)
 
         if self.dist is not None:  # every rank gathers (FSDP2), rank 0 writes, every rank hears how it went
-            self.dist.save_final(run, write)
+            distributed_save.save_final(self.dist, run, write)
             return
         write_folder(self.out_dir, write, run_dir=self.out_dir, what=f"the final model to {self.out_dir}")
 
