@@ -128,6 +128,7 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
         from gcfamily.core import engine
         from gcfamily.models import lora
         from gcfamily.rollout import native as rollout
+        from gcfamily.run import build as build_mod
         from gcfamily.run import trainer as trainer_mod
         from gcfamily.config import Config
         from gcfamily.methods import onpolicy
@@ -146,7 +147,7 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
         ref_mb = mb(ref.parameters()) if isinstance(ref, torch.nn.Module) else 0.0
         return f"weights {mb(ps):.0f}, grads {mb(p.grad for p in ps if p.grad is not None):.0f}, adam {mb(opt):.0f}, ref {ref_mb:.0f}"
 
-    P.wrap(trainer_mod, "load_model", "model load (from_pretrained)")
+    P.wrap(build_mod, "load_model", "model load (from_pretrained)")
     P.wrap(lora, "wrap", "LoRA wrap")
     P.wrap(trainer_mod.Trainer, "reference", "reference setup")
     P.wrap(onpolicy, "generate", "rollout", tensors)

@@ -21,7 +21,7 @@ with right padding, rewards in groups with one all-equal group):
 - gcfamily: the real method class, built from the row's `--set` strings the way `gcf run` builds it
   (typed, method defaults applied, validated), then `prepare` (advantages, pi_old/pi_ref as the
   trainer supplies them), `engine.normaliser`, `coefficient` and `engine.weighted_loss`, as
-  gcfamily/run/trainer.py runs a step.
+  gcfamily/run/step.py runs a step.
 
 Compared: the gradient with respect to the current log-probs (TRL's autograd vs the engine's one
 loss); the loss value, TRL's against minus the method's textbook `objective` (the engine's
@@ -642,7 +642,7 @@ class _Services(LocalServices):
 
 
 def _step(method: Method, batch: Batch, logps0: torch.Tensor) -> dict[str, Any]:
-    """One step as gcfamily/run/trainer.py runs it (one micro-batch): Z, GC, the weighted loss, its backward."""
+    """One step as gcfamily/run/step.py runs it (one micro-batch): Z, GC, the weighted loss, its backward."""
     Z = engine.normaliser([batch], method.norm, method.cfg.norm_constant)
     logps = logps0.clone().requires_grad_(True)
     coef = method.coefficient(batch, logps.detach())  # [B, L]

@@ -15,7 +15,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.models import lora, tiny_model
-from gcfamily.run.card import summary
+from gcfamily.run.summary import summary
 from gcfamily.run.trainer import Trainer
 
 pytest.importorskip("peft")

@@ -1,4 +1,4 @@
-"""The model card and console summary of gcfamily/run/card.py, on hand-made settings and metrics rows."""
+"""The model card and console summary of gcfamily/run/card.py and summary.py, on hand-made settings and metrics rows."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from gcfamily.config import parse_sets, to_dict
 from gcfamily.methods import METHODS, get_method, resolve
 from gcfamily.methods.onpolicy import OnPolicy
 from gcfamily.run import card
-from gcfamily.run.card import summary, write_model_card
-from gcfamily.run.writes import WriteFailed
+from gcfamily.run.card import write_model_card
+from gcfamily.run.folder.writes import WriteFailed
+from gcfamily.run.summary import summary
 
 GRPO_INFO = {"name": "grpo", "data_source": "on-policy groups of G outputs per prompt", "gc_formula": "r_t * A_i"}
 SFT_INFO = {"name": "sft", "data_source": "fixed demonstrations (prompt, completion)", "gc_formula": "+1 per token"}

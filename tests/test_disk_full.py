@@ -28,7 +28,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
-from gcfamily.run import checkpoint
+from gcfamily.run import checkpoint_format as checkpoint
 from gcfamily.run.trainer import Trainer
 
 FULL = "No space left on device"
@@ -337,7 +337,7 @@ def test_a_full_disk_at_every_write_ends_in_one_sentence_and_the_run_resumes(wri
 
 
 def test_a_failed_folder_write_leaves_the_folder_as_it_was(tmp_path):
-    from gcfamily.run.writes import STAGE, WriteFailed, write_folder
+    from gcfamily.run.folder.writes import STAGE, WriteFailed, write_folder
 
     out = tmp_path / "run"
     (out / "adapter").mkdir(parents=True)

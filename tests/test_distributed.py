@@ -361,7 +361,7 @@ def test_step_indices_split_the_global_batch_by_rank():
 
 
 def test_checkpoint_resumes_only_on_the_process_count_that_wrote_it():
-    from gcfamily.run.distributed import local_state
+    from gcfamily.run.distributed_save import local_state
     from gcfamily.run.launch import strip_nproc
 
     two = {"rng": "r0", "rank_rng": ["r0", "r1"]}

@@ -207,8 +207,8 @@ def test_the_summary_gives_the_held_out_change_with_counts_and_a_paired_interval
     import json
     import math
 
-    from gcfamily.run.card import summary
-    from gcfamily.run.evaluate import accuracy_change
+    from gcfamily.run.heldout import accuracy_change
+    from gcfamily.run.summary import summary
 
     n = 200
     before = [i % 5 < 2 for i in range(n)]  # 80 right

@@ -141,11 +141,11 @@ def test_an_overwrite_killed_mid_start_is_put_back_by_the_next_start(gcf, tmp_pa
     start finds the run put back."""
     from conftest import metrics_rows
 
-    from gcfamily.run import transaction
+    from gcfamily.run.folder.aside import set_aside
 
     out = tmp_path / "r"
     shutil.copytree(finished_run, out)
-    transaction.set_aside(out)  # what a killed --overwrite start leaves
+    set_aside(out)  # what a killed --overwrite start leaves
     assert not (out / "run_config.json").exists()
     code, _, err = gcf("run", *GRPO, "--max-steps", "2", "--output-dir", str(out))
     one_error(code, err, "holds another run")  # the set-aside run counts as the run it is

@@ -54,6 +54,8 @@ def test_a_planted_unused_import_fails_the_check(tmp_path: Path) -> None:
     planted = tmp_path / "batch.py"
     planted.write_text(src.replace("import dataclasses\n", "import dataclasses\nimport json\n", 1))
     config = ["--config", str(ROOT / "pyproject.toml")]
-    clean = subprocess.run([*_ruff(), "check", *config, str(ROOT / "gcfamily" / "core" / "batch.py")], capture_output=True)
+    clean = subprocess.run(
+        [*_ruff(), "check", *config, str(ROOT / "gcfamily" / "core" / "batch.py")], capture_output=True
+    )
     out = subprocess.run([*_ruff(), "check", *config, str(planted)], cwd=tmp_path, capture_output=True, text=True)
     assert clean.returncode == 0 and out.returncode == 1 and "F401" in out.stdout and "json" in out.stdout

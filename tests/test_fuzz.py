@@ -281,7 +281,7 @@ def checkpoint_template(tmp_path_factory) -> Path:
     import torch
 
     from gcfamily.models import tiny_model, tiny_tokenizer
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     run = tmp_path_factory.mktemp("fuzz-run") / "run"
     model = tiny_model(len(tiny_tokenizer()))
@@ -296,8 +296,10 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
     """file -> (its path in `run`, what reads it as a run does)."""
     from gcfamily.config.io import load_yaml, read
     from gcfamily.models import tiny_model, tiny_tokenizer
-    from gcfamily.run import checkpoint, transaction
-    from gcfamily.run.lock import RunLock
+    from gcfamily.run import checkpoint_format as checkpoint
+    from gcfamily.run.folder.lock import LOCK, RunLock
+    from gcfamily.run.folder.ownership import holds_run, read_record
+    from gcfamily.run.folder.resuming import settings_of, truncate_logs
 
     step = run / "checkpoints" / "step-1"
 
@@ -307,9 +309,9 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
         held.release()
 
     def record() -> None:
-        transaction.read_record(run)
-        transaction.holds_run(run)
-        transaction.settings_of(step)
+        read_record(run)
+        holds_run(run)
+        settings_of(step)
 
     def manifest() -> None:
         checkpoint.damage(step)
@@ -323,9 +325,9 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
         read(str(run / "recipe.yaml"), {})
 
     return {
-        ".gcf.lock": (run / transaction.LOCK, lock),
+        ".gcf.lock": (run / LOCK, lock),
         "run_config.json": (run / "run_config.json", record),
-        "metrics.jsonl": (run / "metrics.jsonl", lambda: transaction.truncate_logs(run, 1)),
+        "metrics.jsonl": (run / "metrics.jsonl", lambda: truncate_logs(run, 1)),
         "manifest.json": (step / checkpoint.MANIFEST, manifest),
         "state.pt": (step / "state.pt", state),
         "recipe.yaml": (run / "recipe.yaml", recipe),

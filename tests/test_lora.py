@@ -247,7 +247,7 @@ def test_lora_under_ddp_equals_one_process(tmp_path):
 def test_returning_freed_heap_changes_no_value(tmp_path, monkeypatch):
     # The rollout and every training micro-batch hand freed pages back (malloc_trim): the same run without it is bitwise equal.
     import gcfamily.rollout.native
-    import gcfamily.run.trainer
+    import gcfamily.run.step
 
     calls = []
     real = gcfamily.rollout.native.release_free_heap
@@ -256,12 +256,12 @@ def test_returning_freed_heap_changes_no_value(tmp_path, monkeypatch):
         calls.append(1)
         real()
 
-    monkeypatch.setattr(gcfamily.run.trainer, "release_free_heap", counted)
+    monkeypatch.setattr(gcfamily.run.step, "release_free_heap", counted)
     monkeypatch.setattr(gcfamily.rollout.native, "release_free_heap", counted)
     with_trim = _trainer(tmp_path / "a", "grpo", max_steps=2, lr=1e-2, mu=2, micro_batch_size=2)
     with_trim.run()
     assert len(calls) >= 2 * (1 + 2 * 4)  # per step: the rollout, and each of mu x 4 micro-batches
-    monkeypatch.setattr(gcfamily.run.trainer, "release_free_heap", lambda: None)
+    monkeypatch.setattr(gcfamily.run.step, "release_free_heap", lambda: None)
     monkeypatch.setattr(gcfamily.rollout.native, "release_free_heap", lambda: None)
     without = _trainer(tmp_path / "b", "grpo", max_steps=2, lr=1e-2, mu=2, micro_batch_size=2)
     without.run()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gcfamily.errors import GcfError
-from gcfamily.run.evaluate import (
+from gcfamily.run.heldout import (
     answer_extractor,
     maj_at_k,
     majority_answer,

@@ -249,7 +249,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
 
 def test_full_disk_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     """A write that fails (no space left) ends in one sentence; the last complete checkpoint stays and no partial one is left."""
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     model = torch.nn.Linear(2, 2)
     root = tmp_path / "checkpoints"

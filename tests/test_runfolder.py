@@ -75,7 +75,7 @@ def test_a_live_lock_is_refused_and_a_stale_one_taken_over(gcf, tmp_path):
     out.mkdir()
     lock = out / ".gcf.lock"
     holder = (  # a process that holds the folder's lock as a run does, until it is killed
-        "import sys, time; from pathlib import Path; from gcfamily.run.lock import RunLock; "
+        "import sys, time; from pathlib import Path; from gcfamily.run.folder.lock import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)"
     )
     live = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)
@@ -155,7 +155,7 @@ WRITES = ["weights", "state", "tokenizer", "manifest", "marker"]
 def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resumable(gcf, tmp_path, monkeypatch, which):
     import torch
 
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     out = tmp_path / "r"
     calls = {"n": 0}
@@ -207,7 +207,7 @@ def test_a_full_disk_at_each_write_of_a_checkpoint_leaves_the_previous_one_resum
 
 
 def test_a_full_disk_without_any_checkpoint_says_so(gcf, tmp_path, monkeypatch):
-    from gcfamily.run import checkpoint
+    from gcfamily.run import checkpoint_format as checkpoint
 
     monkeypatch.setattr(
         checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))

@@ -21,8 +21,10 @@ from conftest import metrics_rows
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError, Interrupted
-from gcfamily.run import checkpoint, transaction
-from gcfamily.run.lock import RunLock
+from gcfamily.run import checkpoint_format as checkpoint
+from gcfamily.run.folder.lock import LOCK, RunLock
+from gcfamily.run.folder.ownership import CLAIMS, RECORD
+from gcfamily.run.folder.resuming import finish_pending, truncate_logs
 
 SMALL = ["--set", "progress=false", "--set", "report_to=none", "--set", "batch_size=2", "--set", "max_new_tokens=4"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,10 +88,10 @@ def test_overwrite_removes_exactly_the_runs_entries_also_for_a_run_of_before_rec
     assert run(gcf, out, "--overwrite", steps=1)[0] == 0
     assert (out / "notes.txt").read_text() == "mine" and (out / "data" / "rows.jsonl").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
-    (out / transaction.RECORD).unlink()  # a run written before records: its owned entries are the run names present
+    (out / RECORD).unlink()  # a run written before records: its owned entries are the run names present
     assert run(gcf, out, "--overwrite", steps=1)[0] == 0
     assert (out / "notes.txt").read_text() == "mine" and (out / "data" / "rows.jsonl").is_file()
-    record = json.loads((out / transaction.RECORD).read_text())
+    record = json.loads((out / RECORD).read_text())
     assert "checkpoints" in record["owns"] and "notes.txt" not in record["owns"]
 
 
@@ -143,7 +145,7 @@ def test_resume_latest_continues_the_newest_segment_not_an_older_branch(tmp_path
     assert json.loads((out / "run_config.json").read_text())["lr"] == 5e-4
     root = out / "checkpoints"
     assert sorted(p.name for p in (root / "replaced-at-step-2").iterdir()) == ["step-3", "step-4"]  # kept, set apart
-    record = json.loads((out / transaction.RECORD).read_text())
+    record = json.loads((out / RECORD).read_text())
     assert [(s["start"], Path(s["from"]).name if s["from"] else None) for s in record["segments"]] == [
         (0, None),
         (2, "step-2"),
@@ -157,16 +159,16 @@ def test_a_resume_killed_while_setting_a_branch_apart_is_finished_by_the_next_st
     for step in (1, 2, 3):
         checkpoint.save(root, step, torch.nn.Linear(2, 2), {"step": step}, keep_last=5)
     record = {
-        "owns": list(transaction.CLAIMS),
+        "owns": list(CLAIMS),
         "segments": [],
         "pending": {"dest": "replaced-at-step-1", "names": ["step-2", "step-3"]},
     }
     (out / "run_config.json").write_text(json.dumps({"method": "sft"}))
     (root / "replaced-at-step-1").mkdir()
     os.replace(root / "step-3", root / "replaced-at-step-1" / "step-3")  # the kill came after step-3 moved
-    transaction.finish_pending(out, record)
+    finish_pending(out, record)
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step-1"]
-    assert record["pending"] is None and json.loads((out / transaction.RECORD).read_text())["pending"] is None
+    assert record["pending"] is None and json.loads((out / RECORD).read_text())["pending"] is None
 
 
 # --------------------------------------------------------------------------- 3. one owner per folder
@@ -175,7 +177,7 @@ WORKER = """
 import os, sys, time
 from pathlib import Path
 from gcfamily.errors import GcfError
-from gcfamily.run.lock import RunLock
+from gcfamily.run.folder.lock import RunLock
 out, sync, me, rounds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 def wait(name):
     while not (sync / name).exists():
@@ -225,14 +227,14 @@ def test_many_processes_racing_to_take_over_a_stale_lock_have_one_winner(tmp_pat
     ]
     try:
         for r in range(rounds):
-            _stale_lock(out / transaction.LOCK, r % 2)
+            _stale_lock(out / LOCK, r % 2)
             (sync / f"go-{r}").write_text("")
             _wait_files(sync, f"res-{r}-*[0-9]", n)
             results = [(sync / f"res-{r}-{i}").read_text() for i in range(n)]
             assert sorted(results) == ["lost"] * (n - 1) + ["won"], (r, results)
             (sync / f"release-{r}").write_text("")
             _wait_files(sync, f"done-{r}-*", n)
-            assert not (out / transaction.LOCK).exists()
+            assert not (out / LOCK).exists()
         assert sorted(p.name for p in out.iterdir()) == []  # no temporary link left behind
     finally:
         for p in procs:
@@ -254,16 +256,16 @@ def test_many_processes_racing_to_take_over_a_stale_lock_have_one_winner(tmp_pat
     ],
 )
 def test_a_lock_file_that_is_not_a_lock_is_one_sentence_naming_it(tmp_path, content, needle):
-    lock = tmp_path / transaction.LOCK
+    lock = tmp_path / LOCK
     lock.mkdir() if content == "folder" else lock.write_text(content)
     with pytest.raises(GcfError) as e:
         RunLock(tmp_path).acquire()
     assert needle in str(e.value) and str(lock) in str(e.value) and "\n" not in str(e.value)
-    assert lock.exists() and sorted(p.name for p in tmp_path.iterdir()) == [transaction.LOCK]
+    assert lock.exists() and sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
 
 
 def test_a_lock_of_pid_1_is_not_a_running_run_unless_it_holds_the_lock(tmp_path):
-    lock = tmp_path / transaction.LOCK
+    lock = tmp_path / LOCK
     host = socket.gethostname()
     lock.write_text(json.dumps({"pid": 1, "host": host, "started": 0}))  # pid 1 started after this lock: not its owner
     note = RunLock(tmp_path).acquire()
@@ -290,9 +292,9 @@ def test_a_lock_in_this_process_is_replaced_and_releases_only_its_own(tmp_path):
     first.acquire()
     assert second.acquire() is None  # a Trainer built here earlier and never run
     first.release()  # not first's lock any more: left in place
-    assert (tmp_path / transaction.LOCK).exists()
+    assert (tmp_path / LOCK).exists()
     second.release()
-    assert not (tmp_path / transaction.LOCK).exists()
+    assert not (tmp_path / LOCK).exists()
 
 
 # --------------------------------------------------------------------------- 4. damaged files and a full disk
@@ -432,7 +434,7 @@ def test_truncating_the_logs_on_a_full_disk_leaves_no_temporary_file(tmp_path, m
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
     _full_disk_for(monkeypatch, ".jsonl.tmp")
     with pytest.raises(GcfError, match="metrics.jsonl"):
-        transaction.truncate_logs(tmp_path, 1)
+        truncate_logs(tmp_path, 1)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
@@ -455,10 +457,10 @@ def test_a_filesystem_without_hard_links_still_gets_a_whole_lock(tmp_path, monke
     )
     lock = RunLock(tmp_path)
     assert lock.acquire() is None
-    assert json.loads((tmp_path / transaction.LOCK).read_text())["pid"] == os.getpid()
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
     other = (  # another process meets the lock held
         "import sys; from pathlib import Path; from gcfamily.errors import GcfError; "
-        "from gcfamily.run.lock import RunLock\n"
+        "from gcfamily.run.folder.lock import RunLock\n"
         "try:\n    RunLock(Path(sys.argv[1])).acquire()\nexcept GcfError as e:\n    print(e)"
     )
     said = subprocess.run(

@@ -163,7 +163,7 @@ def reuse_start_evaluation(trainer: Any, source: Path, last: bool = False) -> bo
         if trainer.step != 0:
             return own()
         if trainer.is_main:
-            from gcfamily.run.writes import append_lines
+            from gcfamily.run.folder.writes import append_lines
 
             append_lines(trainer.out_dir / "eval_details.jsonl", [details], run_dir=trainer.out_dir)
         return dict(figures)
@@ -184,7 +184,7 @@ def _measure(trainer: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
     out["kl_s"] = time.perf_counter() - t1
     rows, reward = heldout_prompts(trainer, min(cfg.eval_samples, int(spec.get("sample_prompts", 64))))
     if rows:  # pass@k and maj@k beside greedy accuracy: k samples per held-out prompt
-        from gcfamily.run.evaluate import sampled_eval, task_answer
+        from gcfamily.run.heldout import sampled_eval, task_answer
 
         t2 = time.perf_counter()
         k = int(spec.get("sample_k") or max(cfg.group_size, 1))

@@ -87,9 +87,9 @@ def finished_run(folder: Path, spec: dict[str, Any]) -> Optional[dict[str, Any]]
 def check_run_folder(folder: Path, spec: dict[str, Any], replace: bool = False) -> None:
     """Refuse, in one sentence, a folder where the run of `spec` would replace what the bench did not write there: a run
     of the user's, a model, or a bench run of other settings (the child runs with overwrite, which removes a run's and a
-    model's files: gcfamily/run/transaction.py RUN_FILES). The bench's own run of these settings, finished or not, passes;
+    model's files: gcfamily/run/folder/ownership.py RUN_FILES). The bench's own run of these settings, finished or not, passes;
     so does any folder with `replace` (--replace-runs)."""
-    from gcfamily.run.transaction import RUN_FILES, holds_run
+    from gcfamily.run.folder.ownership import RUN_FILES, holds_run
 
     if folder.exists() and not folder.is_dir():
         raise GcfError(

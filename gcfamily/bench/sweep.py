@@ -112,7 +112,7 @@ def heldout_of(folder: Optional[Path], settings: dict[str, Any]) -> float:
     """Held-out test accuracy of a model folder (None: the suite's base model), as the trainer measures it (greedy, eval_samples)."""
     import torch
 
-    from gcfamily.run.evaluate import heldout_accuracy
+    from gcfamily.run.heldout import heldout_accuracy
     from gcfamily.data.formats import Formatter
     from gcfamily.models import load_model
     from gcfamily.tasks import get_task

@@ -161,7 +161,7 @@ def eval_cmd(
 
     from gcfamily.config import parse_sets
     from gcfamily.models import load_model
-    from gcfamily.run.trainer import resolve_device, resolve_dtype
+    from gcfamily.run.build import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if temperature is not None and maj_k is None:
@@ -175,14 +175,14 @@ def eval_cmd(
         from gcfamily.config import Config, apply
         from gcfamily.config import validate
         from gcfamily.data.sources import load_rows
-        from gcfamily.run.evaluate import evaluate_rows
+        from gcfamily.run.heldout import evaluate_rows
         from gcfamily.data.formats import Formatter
         from gcfamily.rewards import Rewards
 
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
         if maj_k is not None:
-            from gcfamily.run.evaluate import answer_extractor
+            from gcfamily.run.heldout import answer_extractor
 
             answer_extractor(None)  # rows scored by reward functions read no answers: the one-sentence error
         cfg = apply(Config(), parse_sets(sets), "--set")
@@ -208,7 +208,7 @@ def eval_cmd(
             f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
         )
         return
-    from gcfamily.run.evaluate import answer_extractor, heldout_accuracy, sampled_eval
+    from gcfamily.run.heldout import answer_extractor, heldout_accuracy, sampled_eval
     from gcfamily.tasks import get_task
 
     import yaml

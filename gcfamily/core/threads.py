@@ -4,7 +4,7 @@ torch's intra-op threads wait for one another at the end of every parallel regio
 one of the cores, the others spin until the pre-empted thread runs again, so a run beside one busy process took 3.6x its
 quiet time (SmolLM2-135M SFT on 2 cores) and rollouts 17x. `choose_threads` is the rule (pure: the figures go in, the count
 and the sentence that explains it come out); `busy_cores` measures the figure it needs from /proc/stat; `decide` puts
-the two together for a run (gcfamily/run/trainer.py), and `apply` sets torch's count.
+the two together for a run (gcfamily/run/build.py), and `apply` sets torch's count.
 """
 
 from __future__ import annotations

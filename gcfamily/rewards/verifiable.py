@@ -148,7 +148,7 @@ CORRECTNESS = "correctness_reward"
 def correctness_reward(fn: RewardFn) -> RewardFn:
     """Mark `fn` as a correctness check: it returns 1 for a completion whose answer is right and 0 otherwise.
 
-    Held-out evaluation on your own rows (gcfamily/run/evaluate.py) reports eval/accuracy only where some reward is
+    Held-out evaluation on your own rows (gcfamily/run/heldout.py) reports eval/accuracy only where some reward is
     one: the fraction of samples that every correctness reward scored exactly 1. The built-in ``numeric`` and
     ``exact`` are marked; mark your own with ``@correctness_reward`` (or ``fn.correctness_reward = True``) and pass
     the function from Python. A ``module:function`` reward runs in the reward worker, so its mark is not seen.

@@ -1,4 +1,5 @@
-"""What a finished run says about itself: a model card (README.md) and a console summary.
+"""What a finished run says about itself in its folder: the model card (README.md). The console summary is summary.py;
+both read the run back through figures.py.
 
 Both read only what the run already wrote (the flat settings of `config.to_dict`, the rows of
 metrics.jsonl, the final folder's files) and never raise on odd metrics: a missing figure is left
@@ -12,7 +13,6 @@ the command line and names them, instead of printing their reprs as settings.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 from pathlib import Path
@@ -23,8 +23,8 @@ import yaml
 from gcfamily.models import HUB_ALIASES, OFFLINE_ALIASES
 from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
 from gcfamily.rewards.verifiable import REWARDS
-from gcfamily.run.evaluate import accuracy_change
-from gcfamily.run.writes import write_atomic
+from gcfamily.run.figures import eval_keys, fmt, folder_layout, loader_class, metric_rows, series
+from gcfamily.run.folder.writes import write_atomic
 
 # the settings a reader wants even when the defaults were kept
 CORE_SETTINGS = ("lr", "batch_size", "max_steps", "seed", "dtype")
@@ -55,7 +55,7 @@ def write_model_card(
     if base_model == given:  # a model object's name, put in words
         base_model = config["model"]
     name = str(method_info.get("name") or config.get("method") or "unknown")
-    layout = _layout(out_dir)
+    layout = folder_layout(out_dir)
     front: dict[str, Any] = {"library_name": "transformers"}
     hub = base_hub_id(base_model)
     if hub:
@@ -106,51 +106,6 @@ def write_model_card(
     return out_dir / "README.md"
 
 
-def summary(metrics: list[dict], steps: int, seconds: float, out_dir: Path, final_saved: bool) -> str:
-    """A few lines for the end of `gcf run`: steps and time, held-out and reward change, last loss, the model."""
-    rows = _rows(metrics)
-    lines = [f"done: {steps} step{'' if steps == 1 else 's'} in {_duration(seconds)}"]
-    change = accuracy_change(Path(out_dir) / "eval_details.jsonl")
-    if change is not None:
-        n, b, a = change["n"], change["before"], change["after"]
-        lines.append(
-            f"  held-out accuracy {b / n:.3f} ({b}/{n}) -> {a / n:.3f} ({a}/{n}) at step {change['step']}: "
-            f"{change['diff']:+.3f}, 95% interval [{change['lo']:+.3f}, {change['hi']:+.3f}] "
-            "(paired bootstrap over the same prompts)"
-        )
-    for key in _eval_keys(rows):
-        if change is not None and key == "eval/accuracy":
-            continue  # said above, with its counts and interval
-        seen = _seen(rows, key)
-        if len(seen) >= 2 and seen[0][0] != seen[-1][0]:
-            (s0, v0), (s1, v1) = seen[0], seen[-1]
-            when = "before -> after" if s0 == 0 else f"step {fmt(s0)} -> {fmt(s1)}"
-            lines.append(f"  {key} {fmt(v0)} -> {fmt(v1)} (held-out, {when})")
-        elif "heldout" in key:  # a held-out figure measured once (a reward model's, at its last step)
-            lines.append(f"  {key} {fmt(seen[-1][1])} (held-out, step {fmt(seen[-1][0])})")
-    seen = _seen(rows, "reward/mean")
-    if len(seen) >= 2:
-        lines.append(f"  reward/mean {fmt(seen[0][1])} -> {fmt(seen[-1][1])} (first -> last step)")
-    elif seen:
-        lines.append(f"  reward/mean {fmt(seen[0][1])} (step {seen[0][0]})")
-    seen = _seen(rows, "loss")
-    if seen:
-        lines.append(f"  loss {fmt(seen[-1][1])} (last step)")
-    if final_saved:
-        layout = _layout(Path(out_dir))
-        how = f"{_loader(layout)}.from_pretrained"
-        if layout == "adapter":
-            how += "; a LoRA adapter, needs peft"
-        elif layout == "merged":
-            how += "; LoRA merged, the adapter in adapter/"
-        if steps == 0:
-            how += "; no training step was taken: the base model as loaded"
-        lines.append(f"  model: {out_dir} ({how})")
-    else:
-        lines.append("  no final model was written")
-    return "\n".join(lines)
-
-
 def reproduce_command(config: dict, base_model: str) -> str:
     """`gcf run --method M --model BASE --set k=v ...` for the settings the run was given explicitly."""
     return " ".join(_reproduce_parts(config, base_model))
@@ -166,37 +121,7 @@ def _reproduce_parts(config: dict, base_model: str) -> list[str]:
     return parts
 
 
-def fmt(value: Any) -> str:
-    """A metric for people: floats to 4 significant digits; None, NaN and infinities as n/a."""
-    if value is None or isinstance(value, bool):
-        return "n/a" if value is None else str(value)
-    if isinstance(value, (int, float)):
-        try:
-            return f"{value:.4g}" if math.isfinite(value) else "n/a"
-        except (OverflowError, ValueError, TypeError):
-            return "n/a"
-    return str(value)
-
-
 # -- the card's parts ------------------------------------------------------------------
-
-
-def _layout(out_dir: Path) -> str:
-    """What the final folder holds: "reward-model" (a sequence classifier), "adapter" (a LoRA adapter alone),
-    "merged" (a LoRA run's merged model, its adapter in adapter/) or "model"."""
-    try:
-        archs = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        archs = []
-    if any(str(a).endswith("ForSequenceClassification") for a in archs):
-        return "reward-model"
-    if (out_dir / "adapter_config.json").is_file():
-        return "adapter"
-    return "merged" if (out_dir / "adapter" / "adapter_config.json").is_file() else "model"
-
-
-def _loader(layout: str) -> str:
-    return "AutoModelForSequenceClassification" if layout == "reward-model" else "AutoModelForCausalLM"
 
 
 def _python_objects(config: dict) -> tuple[dict, list[str]]:
@@ -291,10 +216,10 @@ def _settings(config: dict) -> list[tuple[str, ...]]:
 
 def _final_metrics(metrics: list[dict]) -> list[tuple[str, ...]]:
     """Held-out figures first and last seen, then the last loss, reward/mean and KL figures, then steps done."""
-    rows = _rows(metrics)
+    rows = metric_rows(metrics)
     out: list[tuple[str, ...]] = []
-    for key in _eval_keys(rows):
-        seen = _seen(rows, key)
+    for key in eval_keys(rows):
+        seen = series(rows, key)
         (s0, v0), (s1, v1) = seen[0], seen[-1]
         if s0 == s1:
             out.append((f"{key} (held-out)", fmt(v1), fmt(s1)))
@@ -302,7 +227,7 @@ def _final_metrics(metrics: list[dict]) -> list[tuple[str, ...]]:
             out.append((f"{key} (held-out)", f"{fmt(v0)} → {fmt(v1)}", f"{fmt(s0)} → {fmt(s1)}"))
     kl_keys = sorted({k for r in rows for k in r if isinstance(k, str) and "kl" in k and not k.startswith("eval/")})
     for key in ["loss", "reward/mean", *kl_keys]:
-        seen = _seen(rows, key)
+        seen = series(rows, key)
         if seen:
             out.append((key, fmt(seen[-1][1]), fmt(seen[-1][0])))
     steps = [s for s in (r.get("step") for r in rows) if isinstance(s, int) and not isinstance(s, bool)]
@@ -336,7 +261,7 @@ model = PeftModel.from_pretrained(base, "{adapter}")  # from elsewhere, its path
 
 def _load_snippet(layout: str, base_model: str, config: dict) -> list[str]:
     """Python that runs as written from inside the folder; for LoRA a second block puts the adapter on its base."""
-    loader, hub = _loader(layout), base_hub_id(base_model)
+    loader, hub = loader_class(layout), base_hub_id(base_model)
     if layout == "reward-model":
         text = "Scored as in training by `gcfamily.rewards.model.RewardModel.load(folder)`; on-policy methods take it "
         text += "as `--set reward_model=FOLDER`.\n\n" + LOAD.format(loader=loader, extra="", use=SCORE)
@@ -395,30 +320,3 @@ def _value(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError):
         return str(value)
-
-
-def _rows(metrics: Any) -> list[dict]:
-    try:
-        return [r for r in metrics if isinstance(r, dict)]
-    except TypeError:
-        return []
-
-
-def _eval_keys(rows: list[dict]) -> list[str]:
-    """The held-out figures: the evaluation's (eval/...) and a method's own (a reward model's rm/heldout_accuracy)."""
-    return sorted({k for r in rows for k in r if isinstance(k, str) and (k.startswith("eval/") or "heldout" in k)})
-
-
-def _seen(rows: list[dict], key: str) -> list[tuple[Any, Any]]:
-    """(step, value) of every row that holds `key`, in file order."""
-    return [(r.get("step"), r[key]) for r in rows if key in r]
-
-
-def _duration(seconds: float) -> str:
-    try:
-        s = float(seconds)
-    except (TypeError, ValueError):
-        return "n/a"
-    if not math.isfinite(s):
-        return "n/a"
-    return f"{s:.1f} s" if s < 120 else f"{s:.0f} s ({s / 60:.1f} min)"

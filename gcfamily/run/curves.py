@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gcfamily.run.writes import write_atomic
+from gcfamily.run.folder.writes import write_atomic
 
 NAME = "curves.png"
 
@@ -88,3 +88,18 @@ def write_curves(out_dir: Path, rows: list[dict[str, Any]]) -> Path | None:
     path = out_dir / NAME
     write_atomic(path, buf.getvalue(), run_dir=out_dir)
     return path
+
+
+def where(out_dir: Path) -> list[str]:
+    """Where a run's metrics are, for the console's closing lines: curves.png, metrics.jsonl, and the TensorBoard command
+    when it logged events."""
+    import shlex
+
+    lines = []
+    if (out_dir / "curves.png").is_file():
+        lines.append(f"  curves: {out_dir / 'curves.png'}")
+    if (out_dir / "metrics.jsonl").is_file():
+        lines.append(f"  metrics: {out_dir / 'metrics.jsonl'}")
+    if (out_dir / "tensorboard").is_dir():
+        lines.append(f"  tensorboard: tensorboard --logdir {shlex.quote(str(out_dir / 'tensorboard'))}")
+    return lines

@@ -15,7 +15,8 @@ How a run scales out (the single-process path does not change):
   ranks take exactly the step one process takes on the same global batch.
 - FSDP2: generation and evaluation run inside `full_parameters` (every group gathered once,
   freed after), and a method's frozen reference is sharded like the policy. Checkpoints gather
-  the full state on rank 0, in the single-process format plus each rank's RNG state.
+  the full state on rank 0, in the single-process format plus each rank's RNG state
+  (gcfamily/run/distributed_save.py).
 - GPU: NCCL, one device per process (LOCAL_RANK). Master weights stay in master_dtype (float32)
   under both strategies; with a bfloat16 compute dtype FSDP2 casts the gathered parameters
   (MixedPrecisionPolicy, gradients reduced in float32) and DDP runs under the trainer's autocast,
@@ -27,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import types
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,9 +37,6 @@ from torch import nn
 
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
-from gcfamily.models import lora
-from gcfamily.run import checkpoint
-from gcfamily.run.writes import write_folder
 
 SUM_METRICS = (
     "loss",
@@ -317,7 +313,6 @@ class DistEnv:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return (signal_name or "SIGTERM") if flag.item() > 0 else None
 
-    # -- saving --------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Whole CPU tensors of `model` (every rank calls this: FSDP2 gathers); tied weights stay one tensor."""
         from torch.distributed.tensor import DTensor
@@ -331,83 +326,8 @@ class DistEnv:
             out[k] = cache[id(v)]
         return out
 
-    def save_checkpoint(self, trainer: Any) -> Path | None:
-        """The single-process checkpoint format, written by rank 0 from gathered state, plus every rank's RNG."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        weights = self.full_state_dict(trainer.unwrapped_policy())
-        optim = get_optimizer_state_dict(
-            trainer.policy, trainer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        method_state = _full(trainer.method.state_dict())
-        rngs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rngs, checkpoint.rng_state(trainer.generator))
-        path = None
-        if self.is_main:
-            state = {
-                **trainer.training_state(),
-                "optimizer": optim,
-                "method": method_state,
-                "rank_rng": rngs,
-                "strategy": self.strategy,
-            }
-            as_model = types.SimpleNamespace(state_dict=lambda: weights)  # what checkpoint.save reads of a model
-            path = checkpoint.save(
-                trainer.out_dir / "checkpoints",
-                trainer.step,
-                as_model,
-                state,
-                trainer.cfg.keep_last,
-                trainer.weight_keys(),
-                trainer.checkpoint_extras(),
-            )
-        dist.barrier()
-        return path
-
-    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Scatter a full optimizer state (every rank read the same file) onto this rank's parameters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-    def save_final(self, trainer: Any, write: Callable[[Path, dict[str, torch.Tensor] | None], None]) -> None:
-        """Rank 0 writes the final folder with `write(folder, weights)` (save_pretrained of the full model and the
-        tokenizer: loadable without torch.distributed), all of its files or none (writes.write_folder); `weights` are
-        gathered on every rank first (FSDP2), None for a LoRA model (DDP keeps a whole copy on every rank).
-
-        Under FSDP2 mixed precision that is the float32 master weights, as the config then says. Rank 0's outcome reaches
-        every rank in place of a barrier, so a full disk there ends every rank in the same sentence and none waits."""
-        policy = trainer.unwrapped_policy()
-        weights = None if lora.is_peft(policy) else self.full_state_dict(policy)
-        failed: Exception | None = None
-        if self.is_main:
-            try:
-                write_folder(
-                    trainer.out_dir,
-                    lambda folder: write(folder, weights),
-                    run_dir=trainer.out_dir,
-                    what=f"the final model to {trainer.out_dir}",
-                )
-            except Exception as e:  # noqa: BLE001 - said on every rank (so none hangs), then raised here
-                failed = e
-        said = self.broadcast(None if failed is None else str(failed))
-        if failed is not None:
-            raise failed
-        if said is not None:
-            raise GcfError(said)
-
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def local_state(state: dict[str, Any], env: DistEnv | None) -> dict[str, Any]:
-    """A loaded checkpoint's state for this process: its own RNG; a clear error on another process count."""
-    rngs = state.get("rank_rng")
-    n = len(rngs) if rngs is not None else 1
-    if n != (env.world_size if env is not None else 1):
-        hint = f"--nproc {n}" if n > 1 else "one process (no --nproc)"
-        raise GcfError(f"The checkpoint was written by {n} process(es); resume it with {hint}.")
-    return state if env is None else {**state, "rng": rngs[env.rank]}
 
 
 def _is_causal_lm(m: nn.Module) -> bool:
@@ -421,16 +341,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(obj: Any) -> Any:
-    """obj with every DTensor gathered to a whole CPU tensor (a sharded reference in a method's state)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):  # a method may have moved its shards to the CPU already; gather where the mesh lives
-        return obj.to(obj.device_mesh.device_type).full_tensor().cpu()
-    if isinstance(obj, dict):
-        return {k: _full(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_full(v) for v in obj)
-    return obj

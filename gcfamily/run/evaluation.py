@@ -7,7 +7,7 @@ The held-out figures of a run on eval_dataset (its first eval_samples rows) are 
   DPO and its variants eval/loss, eval/margin and eval/ranking_accuracy on held-out preference pairs. The method
   turns the rows into a batch once, in `check`, before any update, so that pi_ref's log-probs are the initial
   policy's (the Trainer calls `check` after the method's setup and before a resumed checkpoint is loaded);
-- the greedy completions of those rows scored by the run's reward (gcfamily/run/evaluate.py: eval/reward_mean, one
+- the greedy completions of those rows scored by the run's reward (gcfamily/run/heldout.py: eval/reward_mean, one
   eval/reward/<name> per reward, eval/accuracy where a reward is a correctness check). A method with figures of its
   own needs no reward: without one, no completion is generated.
 On a built-in task the figure is the task's held-out accuracy, as before.
@@ -22,7 +22,7 @@ from typing import Any
 
 from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import append_lines
+from gcfamily.run.folder.writes import append_lines
 
 
 class Evaluation:
@@ -100,7 +100,7 @@ class Evaluation:
         has a reward); else on the task, its accuracy. Nothing when neither exists or the method trains no policy."""
         if not method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
-        from gcfamily.run.evaluate import evaluate_rows
+        from gcfamily.run.heldout import evaluate_rows
 
         cfg = self.cfg
         was_training = policy.training

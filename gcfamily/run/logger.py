@@ -3,7 +3,7 @@
 metrics.jsonl and completions.jsonl are always written on rank 0; `report_to` only chooses the trackers
 that show the same numbers. wandb is imported only when asked for, so it stays an optional extra.
 
-Every write here is whole or not at all (gcfamily/run/writes.py): a row is appended in one write that a full disk
+Every write here is whole or not at all (gcfamily/run/folder/writes.py): a row is appended in one write that a full disk
 undoes, so a log never ends in half a line, and the run ends in one sentence naming its last intact checkpoint.
 TensorBoard's events are written by `EventFile`, in this thread, one appended record per step: torch's
 SummaryWriter writes from a background thread, which a full disk kills with a traceback of its own.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import append_bytes, append_lines
+from gcfamily.run.folder.writes import append_bytes, append_lines
 
 TRACKERS = ("tensorboard", "wandb", "none")
 

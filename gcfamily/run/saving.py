@@ -1,10 +1,11 @@
-"""The run's saving: resumable checkpoints and their exact restore, the final model folder, its card and the console
-summary. An object the Trainer holds; a checkpoint is of the run it is given (`save_checkpoint(run)`), as the distributed
-save is (gcfamily/run/distributed.py).
+"""The run's saving: what goes into its resumable checkpoints and their exact restore (the files' format is
+gcfamily/run/checkpoint_format.py), the final model folder, its card and the console summary. An object the Trainer
+holds; a checkpoint is of the run it is given (`save_checkpoint(run)`), as the distributed save is
+(gcfamily/run/distributed.py).
 
 A full disk loses nothing saved: the final model's files are written into a temporary folder inside the run folder and
-moved into place once all are written (gcfamily/run/writes.py), a checkpoint's extras go into the checkpoint's own
-temporary folder (gcfamily/run/checkpoint.py), and a failure ends in one sentence naming the last intact checkpoint.
+moved into place once all are written (gcfamily/run/folder/writes.py), a checkpoint's extras go into the checkpoint's own
+temporary folder (gcfamily/run/checkpoint_format.py), and a failure ends in one sentence naming the last intact checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 from gcfamily.config import to_dict
 from gcfamily.core import precision
 from gcfamily.models import lora
-from gcfamily.run import checkpoint, distributed
-from gcfamily.run.writes import WriteFailed, os_error, write_folder
+from gcfamily.run import checkpoint_format, distributed_save
+from gcfamily.run.folder.writes import WriteFailed, os_error, write_folder
+from gcfamily.run.view import TrainerView
 
 
 class Saving:
@@ -31,21 +33,45 @@ class Saving:
         """The run's RunLogger, once it is open (completions go to it)."""
         self.final_saved = False
 
-    def save_checkpoint(self, run: Any) -> Path | None:
+    def save_checkpoint(self, run: TrainerView) -> Path | None:
         """A resumable checkpoint of `run` (the Trainer) in out_dir/checkpoints (rank 0 writes)."""
         if self.dist is not None:
-            return self.dist.save_checkpoint(run)
+            return distributed_save.save_checkpoint(self.dist, run)
         if not self.is_main:
             return None
-        return checkpoint.save(
+        return checkpoint_format.save(
             self.out_dir / "checkpoints",
             run.step,
             run.unwrapped_policy(),
-            run.training_state(),
+            self.training_state(run),
             self.cfg.keep_last,
             run.weight_keys(),
-            run.checkpoint_extras(),
+            self.extras_of(run),
         )
+
+    @staticmethod
+    def training_state(run: TrainerView) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs (Trainer._restore reads it back)."""
+        return {
+            "step": run.step,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "rng": checkpoint_format.rng_state(run.generator),
+            "method": run.method.state_dict(),
+            "skipped_steps": run.skipped_steps,
+            "bad_steps": run.bad_steps,
+            "trained_steps": run.trained_steps,
+            "first_bad_step": run.first_bad_step,
+            "elapsed_s": run.budget.elapsed_s,
+            "tokens_seen": run.budget.tokens_seen,
+            "flops_seen": run.budget.flops_seen,
+            "threads": run.threads.count,
+        }
+
+    @staticmethod
+    def extras_of(run: TrainerView) -> Callable[[Path], None] | None:
+        """The run's settings, and for a full-weight checkpoint config.json and the tokenizer (checkpoint_extras)."""
+        return Saving.checkpoint_extras(run.unwrapped_policy(), run.tokenizer, run.weight_keys(), run.folder.record)
 
     @staticmethod
     def checkpoint_extras(
@@ -59,11 +85,11 @@ class Saving:
             return None
 
         def write(folder: Path) -> None:
-            # `folder` is the checkpoint's temporary folder, which checkpoint.save removes when a write raises OSError:
+            # `folder` is the checkpoint's temporary folder, which checkpoint_format.save removes when a write raises OSError:
             # the tokenizer's own error type (tokenizers raise a bare Exception for a full disk) is turned into one
             try:
                 if settings is not None:
-                    (folder / checkpoint.SETTINGS).write_text(json.dumps(settings, indent=2))
+                    (folder / checkpoint_format.SETTINGS).write_text(json.dumps(settings, indent=2))
                 if weight_keys is None:
                     model.config.save_pretrained(folder)
                     tokenizer.save_pretrained(folder)
@@ -82,11 +108,11 @@ class Saving:
     def load_checkpoint(self, path: Path, policy: Any, weight_keys: set[str] | None, method: Any) -> dict[str, Any]:
         """Weights and the method's state into the plain models (every rank the checkpoint rank 0 chose); the rest of the
         state (optimizer, schedule, RNG, counters) is returned for the run to restore once its optimizer exists."""
-        state = distributed.local_state(checkpoint.load(path, policy, weight_keys), self.dist)
+        state = distributed_save.local_state(checkpoint_format.load(path, policy, weight_keys), self.dist)
         method.load_state_dict(state["method"])
         return state
 
-    def save_final(self, policy: Any, tokenizer: Any, method: Any, run: Any) -> None:
+    def save_final(self, policy: Any, tokenizer: Any, method: Any, run: TrainerView) -> None:
         """The final model and tokenizer with save_pretrained, loadable by transformers (`run` for the distributed save).
 
         All of its files or none: they are written into a temporary folder in the run folder, then moved into place; a
@@ -105,7 +131,7 @@ class Saving:
             tokenizer.save_pretrained(folder)
 
         if self.dist is not None:  # every rank gathers (FSDP2), rank 0 writes, every rank hears how it went
-            self.dist.save_final(run, write)
+            distributed_save.save_final(self.dist, run, write)
             return
         write_folder(self.out_dir, write, run_dir=self.out_dir, what=f"the final model to {self.out_dir}")
 
@@ -136,8 +162,8 @@ class Saving:
 
     def summary(self, step: int, seconds: float) -> str:
         """A few lines for the console at the end of a run: held-out figures before and after, reward, loss, where the model is."""
-        from gcfamily.run.card import summary
         from gcfamily.run.logger import read_metrics
+        from gcfamily.run.summary import summary
 
         rows = read_metrics(self.out_dir) if (self.out_dir / "metrics.jsonl").is_file() else []
         return summary(rows, step, seconds, self.out_dir, self.final_saved)

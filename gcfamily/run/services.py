@@ -13,13 +13,14 @@ from gcfamily.core import engine
 from gcfamily.methods.services import LocalServices
 from gcfamily.models import lora
 from gcfamily.rollout import Rollout, SamplingSettings, generate
+from gcfamily.run.view import TrainerView
 
 
 class RunServices(LocalServices):
     """Services of a training run: the policy and its tokenizer, the run's generator, its processes and stop flag."""
 
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer  # gcfamily.run.trainer.Trainer, which holds this object; read lazily: the policy is wrapped for DDP/FSDP2 after the method's setup
+    def __init__(self, trainer: TrainerView) -> None:
+        self._trainer = trainer  # the Trainer, which holds this object; read lazily: the policy is wrapped for DDP/FSDP2 after the method's setup
 
     # -- what the run is
     @property

@@ -108,7 +108,7 @@ class Task:
 
         Two completions with equal answers must get the same reward on a row, so that the vote's winner is right
         exactly when the completions carrying it score >= 1. This default reads no answer: a task that does not
-        override it has no Maj@K (``run.evaluate.task_answer`` tells the two apart), rather than a Maj@K of zero.
+        override it has no Maj@K (``run.heldout.task_answer`` tells the two apart), rather than a Maj@K of zero.
         """
         return None
 

@@ -1,4 +1,5 @@
-"""Resumable checkpoints, written atomically: a temporary folder, a COMPLETE marker, a rename.
+"""The checkpoint format: how a resumable checkpoint folder is written, checked, found and read, atomically (a
+temporary folder, a COMPLETE marker, a rename). What a run puts into one is gcfamily/run/saving.py's.
 
 A checkpoint folder `step-N/` holds the model (safetensors), and in `state.pt` the optimizer,
 scheduler, every RNG state, the step and the method's own state; `run_config.json` the settings
@@ -30,12 +31,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import os_error
+from gcfamily.run.folder.writes import os_error
 
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 STATE_KEYS = ("step", "optimizer", "scheduler", "rng", "method")
-"""What a run's state.pt holds at least (Trainer.training_state)."""
+"""What a run's state.pt holds at least (Saving.training_state)."""
 SETTINGS = "run_config.json"  # the run's settings when the checkpoint was written (gcfamily/run/saving.py)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gcfamily.errors import GcfError
-from gcfamily.run.writes import WriteFailed
+from gcfamily.run.folder.writes import WriteFailed
 
 LOCK = ".gcf.lock"
 

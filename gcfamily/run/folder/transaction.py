@@ -1,6 +1,6 @@
 """The run folder as a transaction: refuse a folder that would lose or mix work, take its lock, check a resume's
-settings against its checkpoint's and choose that checkpoint (rank 0 decides for every rank; gcfamily/run/transaction.py
-does the file work), and change nothing in the folder until the start commits. An object the Trainer holds, given the
+settings against its checkpoint's and choose that checkpoint (rank 0 decides for every rank; the modules beside this
+one do the file work), and change nothing in the folder until the start commits. An object the Trainer holds, given the
 settings, the processes and the folder.
 
 A start opens the folder (`open`: checks that read, every refusal of the folder's contents made before anything moves,
@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from gcfamily.config import to_dict
-from gcfamily.core import engine
 from gcfamily.errors import GcfError
 from gcfamily.models import lora
-from gcfamily.run import checkpoint
-from gcfamily.run import transaction as runfolder
-from gcfamily.run.lock import RunLock
-from gcfamily.run.writes import write_atomic
+from gcfamily.run import checkpoint_format
+from gcfamily.run.folder import aside, checks, ownership, resuming
+from gcfamily.run.folder.lock import RunLock
+from gcfamily.run.folder.writes import write_atomic
 
 
 class RunFolder:
@@ -49,7 +48,7 @@ class RunFolder:
         self._aside: list[str] = []  # what --overwrite set aside
         self._resume_step: int | None = None
         self._resume_path: str | None = None
-        self._run: dict[str, Any] | None = None  # the run's record (transaction.RECORD) this start writes
+        self._run: dict[str, Any] | None = None  # the run's record (ownership.RECORD) this start writes
         self._record_bytes: bytes | None = None  # the record's bytes before this start (written back if it fails)
 
     def decide(self, fn: Callable[[], Any]) -> Any:
@@ -75,7 +74,7 @@ class RunFolder:
         cfg, out = self.cfg, self.out_dir
 
         def prepare() -> tuple[str | None, dict[str, Any] | None]:
-            runfolder.check_target(out, cfg.model, resume, cfg.overwrite)
+            checks.check_target(out, cfg.model, resume, cfg.overwrite)
             self._made = [d for d in (out, *out.parents) if not d.exists()]
             try:
                 out.mkdir(parents=True, exist_ok=True)
@@ -84,8 +83,8 @@ class RunFolder:
                     f"Output folder {out} cannot be made ({e.strerror or e}); choose another --output-dir."
                 ) from e
             try:
-                runfolder.check_writable(out, 0)
-                runfolder.say(self.lock.acquire())
+                checks.check_writable(out, 0)
+                _say(self.lock.acquire())
                 return self._prepare(resume)
             except BaseException:
                 self._undo()
@@ -97,26 +96,26 @@ class RunFolder:
     def _prepare(self, resume: str | None) -> tuple[str | None, dict[str, Any] | None]:
         """Rank 0, holding the lock: (the checkpoint to resume, the change of settings); the record to write."""
         cfg, out = self.cfg, self.out_dir
-        back = runfolder.put_back(out)  # a killed --overwrite start's: we hold the lock, so that start is gone
+        back = aside.put_back(out)  # a killed --overwrite start's: we hold the lock, so that start is gone
         if back:
             print(
                 f"note: put back the run in {out} that an --overwrite start set aside and never finished ({_names(back)}).",
                 file=sys.stderr,
             )
-        old = runfolder.read_record(out)
+        old = ownership.read_record(out)
         if old is not None and old.get("pending"):  # a resume's commit killed while it set an older branch apart
-            runfolder.finish_pending(out, old)
-        runfolder.check_contents(out, cfg.model, resume, cfg.overwrite, old)
-        self._before = runfolder.snapshot(out)
-        if (out / runfolder.RECORD).is_file():
-            self._record_bytes = (out / runfolder.RECORD).read_bytes()
+            resuming.finish_pending(out, old)
+        checks.check_contents(out, cfg.model, resume, cfg.overwrite, old)
+        self._before = aside.snapshot(out)
+        if (out / ownership.RECORD).is_file():
+            self._record_bytes = (out / ownership.RECORD).read_bytes()
         record = to_dict(cfg)
         path, change = None, None
         if resume is not None:
-            path = checkpoint.find(resume, out)
+            path = checkpoint_format.find(resume, out)
             step = int(path.name[5:]) if path.name[5:].isdigit() else None
-            saved = runfolder.settings_of(path)  # the checkpoint's own, wherever this run continues
-            change = runfolder.check_resume(
+            saved = resuming.settings_of(path)  # the checkpoint's own, wherever this run continues
+            change = resuming.check_resume(
                 path, _but_threads(saved), _but_threads(record), cfg.allow_changed_settings, step
             )
             record["changes"] = ((saved or {}).get("changes") or []) + (
@@ -124,9 +123,9 @@ class RunFolder:
             )
             self._resume_step, self._resume_path = step, str(path)
         if resume is None and cfg.overwrite:
-            self._aside = runfolder.set_aside(out)
-        self._run = runfolder.claim(out, old, keep=resume is not None)
-        runfolder.write_record(out, self._run)  # before the run writes anything that it will own
+            self._aside = aside.set_aside(out)
+        self._run = ownership.claim(out, old, keep=resume is not None)
+        ownership.write_record(out, self._run)  # before the run writes anything that it will own
         self.record = record
         return (None if path is None else str(path)), change
 
@@ -138,20 +137,20 @@ class RunFolder:
         def write() -> None:
             out = self.out_dir
             if self._aside:
-                runfolder.drop_aside(out)
+                aside.drop_aside(out)
                 print(
                     f"note: --overwrite removed the previous contents of {out} ({_names(self._aside)}).",
                     file=sys.stderr,
                 )
-            runfolder.clean_partial_checkpoints(out)
-            run = self._run if self._run is not None else runfolder.claim(out, runfolder.read_record(out), keep=True)
+            aside.clean_partial_checkpoints(out)
+            run = self._run if self._run is not None else ownership.claim(out, ownership.read_record(out), keep=True)
             if self._resume_step is not None:
-                runfolder.truncate_logs(out, self._resume_step)
-                runfolder.supersede(out, run, self._resume_step)
+                resuming.truncate_logs(out, self._resume_step)
+                resuming.supersede(out, run, self._resume_step)
             write_atomic(out / "run_config.json", json.dumps(self.record, indent=2), run_dir=out)
             start = self._resume_step if self._resume_path is not None else 0
             run["segments"].append({"start": start, "from": self._resume_path, "at": time.time()})
-            runfolder.write_record(out, run)
+            ownership.write_record(out, run)
 
         self.decide(write)
         self.committed = True
@@ -167,9 +166,9 @@ class RunFolder:
         """What this start wrote is removed, what it set aside put back, a folder it made removed; the lock released."""
         try:
             if self.is_main and self._before is not None:
-                runfolder.remove_new(self.out_dir, self._before)
-                runfolder.put_back(self.out_dir)
-                record = self.out_dir / runfolder.RECORD
+                aside.remove_new(self.out_dir, self._before)
+                aside.put_back(self.out_dir)
+                record = self.out_dir / ownership.RECORD
                 if self._record_bytes is not None and (
                     not record.is_file() or record.read_bytes() != self._record_bytes
                 ):
@@ -189,8 +188,8 @@ class RunFolder:
             return
         trained = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad)
         weights = trained if lora.is_peft(policy) else sum(p.numel() * p.element_size() for p in policy.parameters())
-        reclaim = runfolder.size_of(self.out_dir / runfolder.ASIDE)
-        runfolder.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1), reclaim)
+        reclaim = checks.size_of(self.out_dir / ownership.ASIDE)
+        checks.check_writable(self.out_dir, int((weights + 2 * trained) * 1.1), reclaim)
 
 
 def _but_threads(settings: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -199,18 +198,10 @@ def _but_threads(settings: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if settings is None else {k: v for k, v in settings.items() if k != "threads"}
 
 
+def _say(note: str | None) -> None:
+    if note:
+        print(note, file=sys.stderr)
+
+
 def _names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-
-
-def apply_changed_settings(cfg: Any, optimizer: Any, scheduler: Any, total_steps: int) -> None:
-    """allow_changed_settings: the resumed optimizer takes the new lr, schedule, weight decay and betas (the checkpoint holds the old)."""
-    f = engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    groups = optimizer.param_groups
-    scheduler.base_lrs = [cfg.lr] * len(groups)
-    scheduler.lr_lambdas = [f] * len(groups)
-    for i, g in enumerate(groups):
-        g["initial_lr"], g["lr"], g["betas"] = cfg.lr, cfg.lr * f(scheduler.last_epoch), tuple(cfg.adam_betas)
-        if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
-            g["weight_decay"] = cfg.weight_decay
-    scheduler._last_lr = [g["lr"] for g in groups]

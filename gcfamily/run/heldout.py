@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy completions of held-out prompts, scored by a reward.
+"""Held-out generation and scoring: greedy (or sampled) completions of held-out prompts, scored by a reward. Plain
+functions of a policy and rows, used by `gcf eval` and by the run's Evaluation (gcfamily/run/evaluation.py).
 
 On a built-in task the reward is the task's and the figure is accuracy (the share of prompts whose
 completion scores >= 1). On your own data (`gcf eval --dataset D --reward R`, or `eval_dataset`

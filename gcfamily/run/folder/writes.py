@@ -8,7 +8,7 @@ moved into place one rename at a time (a rename needs no room), or the temporary
 it was. All raise `WriteFailed`, a GcfError whose sentence names the file and the cause and, given the run folder,
 the last intact checkpoint and how to continue (`resume_hint`): the run's one closing sentence.
 
-This module is below checkpoint.py (which writes through it), so it reads a checkpoint folder itself: the marker and
+This module is below checkpoint_format.py (which writes through it), so it reads a checkpoint folder itself: the marker and
 the manifest's sizes, nothing hashed (an error path must not read gigabytes).
 """
 
@@ -26,7 +26,7 @@ from gcfamily.errors import GcfError
 
 STAGE = ".tmp-final"
 """The temporary folder `write_folder` writes into, inside the target; a killed run's leftover goes at the next write_folder
-(and --overwrite takes it for the run's: gcfamily/run/transaction.py, .tmp-*)."""
+(and --overwrite takes it for the run's: gcfamily/run/folder/ownership.py, .tmp-*)."""
 
 
 def os_error(e: BaseException) -> OSError | None:

@@ -1,0 +1,154 @@
+"""Building a run, in parts a reader can name and a test can call: the device and threads, the policy (loaded or
+adopted, its context checked, LoRA adapters on), the method (set up on the untouched policy, its evaluation checked),
+the policy made ready to train (activation checkpointing, DDP / FSDP2) with its optimizer and schedule, and a resumed
+checkpoint's optimizer, schedule and thread count restored. The Trainer calls them in this order (Trainer._build);
+everything that can fail runs here, before the run folder commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gcfamily.config import Config
+from gcfamily.core import engine, precision, threads
+from gcfamily.data.formats import Formatter
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Method
+from gcfamily.models import load_model, lora
+from gcfamily.rollout import context_length
+from gcfamily.run import distributed_save
+
+if TYPE_CHECKING:
+    from gcfamily.methods.services import Services
+    from gcfamily.run.distributed import DistEnv
+    from gcfamily.run.evaluation import Evaluation
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise GcfError(f"device={name} was asked for but no CUDA GPU is available; use device=cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise GcfError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N.") from e
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on a GPU that supports it, float32 otherwise (the compute dtype)."""
+    return precision.compute_dtype(name, device)
+
+
+def choose_threads(cfg: Config, dist: DistEnv | None) -> threads.Threads:
+    """torch's CPU threads for this run (the `threads` setting; gcfamily/core/threads.py), set now. Under torchrun
+    every rank measures the same moment, after a barrier, and takes rank 0's choice; auto shares the free cores among
+    the run's processes on this machine."""
+    given = cfg.threads if isinstance(cfg.threads, int) else None
+    if dist is None:
+        choice = threads.decide(given)
+    else:
+        dist.barrier()  # no rank is busy loading while the others measure
+        choice = dist.broadcast(threads.decide(given, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    threads.apply(choice.count)
+    return choice
+
+
+def build_policy(
+    cfg: Config, model: Any, prec: precision.Precision, device: torch.device
+) -> tuple[torch.nn.Module, Any, Formatter]:
+    """The policy in the master dtype on `device` (cfg.model loaded, or a (model, tokenizer) pair from Python adopted),
+    its tokenizer and its formatter; refused past its context; with LoRA adapters when asked."""
+    dtype = prec.master  # what every model of the run is loaded in
+    if model is not None:
+        from gcfamily.models import adopt_model
+
+        policy, tokenizer = adopt_model(model, dtype, device, cfg.trust_remote_code)
+    else:
+        policy, tokenizer = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.seed)
+    formatter = Formatter(tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+    ctx = context_length(policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
+    if ctx is not None and cfg.max_length > ctx:
+        raise GcfError(
+            f"max_length={cfg.max_length} is past the context of model {cfg.model} ({ctx} positions); set max_length <= {ctx}."
+        )
+    if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
+        policy = lora.wrap(policy, cfg)
+    precision.check_master(policy.parameters(), prec, f"The model {cfg.model}")
+    return policy, tokenizer, formatter
+
+
+def build_method(method_cls: type[Method], cfg: Config, services: Services, evaluation: Evaluation) -> Method:
+    """The method, set up through the run's Services while the policy is untouched (it may load a reference or a critic
+    from it), and its evaluation checked (the held-out batch made from the initial policy)."""
+    method = method_cls(cfg)
+    method.setup(services)
+    evaluation.check(method)
+    return method
+
+
+def ready_to_train(policy: torch.nn.Module, cfg: Config, method: Method, dist: DistEnv | None) -> torch.nn.Module:
+    """The policy as the steps train it: activation checkpointing when asked, wrapped for DDP / FSDP2 under torchrun
+    (the method's second model too), in train mode."""
+    if cfg.activation_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dist is not None:
+        policy = dist.wrap(policy, cfg, method)
+    policy.train()
+    return policy
+
+
+def build_optimizer(
+    policy: torch.nn.Module, cfg: Config, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the policy's parameters and its lr schedule over `total_steps` optimizer steps."""
+    optimizer = engine.build_optimizer(policy.parameters(), cfg.lr, cfg.weight_decay, tuple(cfg.adam_betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+def restore_optimizer(
+    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    policy: torch.nn.Module,
+    dist: DistEnv | None,
+) -> None:
+    """A checkpoint's optimizer and schedule, once the optimizer exists (FSDP2: each rank its shard)."""
+    if dist is not None:
+        distributed_save.load_optimizer(policy, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+
+
+def resumed_threads(cfg: Config, state: dict[str, Any], chosen: threads.Threads) -> threads.Threads:
+    """The thread count a resume continues with: the one the run recorded (thread counts change float rounding), unless
+    threads is given; set now when it differs from the count chosen at the start."""
+    explicit = isinstance(cfg.threads, int) or "threads" in cfg.explicit
+    count, reason = threads.resumed_threads(state.get("threads"), chosen.count, chosen.reason, explicit)
+    if count != chosen.count:
+        threads.apply(count)
+    return dataclasses.replace(chosen, count=count, reason=reason)
+
+
+def apply_changed_settings(
+    cfg: Config, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, total_steps: int
+) -> None:
+    """allow_changed_settings: the resumed optimizer takes the new lr, schedule, weight decay and betas (the checkpoint holds the old)."""
+    f = engine.lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    groups = optimizer.param_groups
+    scheduler.base_lrs = [cfg.lr] * len(groups)
+    scheduler.lr_lambdas = [f] * len(groups)
+    for i, g in enumerate(groups):
+        g["initial_lr"], g["lr"], g["betas"] = cfg.lr, cfg.lr * f(scheduler.last_epoch), tuple(cfg.adam_betas)
+        if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
+            g["weight_decay"] = cfg.weight_decay
+    scheduler._last_lr = [g["lr"] for g in groups]
