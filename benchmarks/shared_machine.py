@@ -82,7 +82,7 @@ def rollout_child(args: argparse.Namespace) -> None:
     import torch
 
     from gcfamily.core import onednn, threads
-    from gcfamily.data.formats import Formatter
+    from gcfamily.data.encoding import Formatter
     from gcfamily.models import load_model
     from gcfamily.rollout import SamplingSettings, generate
 

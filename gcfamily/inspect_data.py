@@ -1,6 +1,6 @@
 """`gcf data`: what a method will train on, exactly as tokenised.
 
-It runs the method's own path (the same loader, `Method.task_rows`, `formats.encode` and Formatter
+It runs the method's own path (the same loader, `Method.task_rows`, `encoding.encode` and Formatter
 the trainer uses) on the tokenizer alone, and prints: the source, the format found and the chat
 format taken; rows kept and skipped, and why; the token length distribution; and the first rows
 decoded piece by piece, with every trained (loss) span between [[ and ]].
@@ -54,7 +54,8 @@ def _quantiles(values: list[int]) -> str:
 def describe(cfg: Any, n_rows: int = 3) -> str:
     """The report `gcf data` prints for a resolved Config."""
     from gcfamily.data.sources import load_rows
-    from gcfamily.data.formats import FORMATS, Formatter, encode
+    from gcfamily.data.formats import FORMATS
+    from gcfamily.data.encoding import Formatter, encode
     from gcfamily.methods import get_method
 
     cls = get_method(cfg.method)

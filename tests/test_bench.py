@@ -803,7 +803,7 @@ def test_kl_to_reference_is_k3_over_the_sampled_tokens(monkeypatch):
     import torch
 
     from gcfamily.bench import child as bench_child
-    from gcfamily.data.formats import Formatter
+    from gcfamily.data.encoding import Formatter
     from gcfamily.models import tiny_model, tiny_tokenizer
     from gcfamily.rollout import SamplingSettings, generate
     from gcfamily.tasks import get_task

@@ -4,7 +4,7 @@ import torch
 
 from gcfamily.core.batch import ROW, Batch
 from gcfamily.data.batches import collate, epoch_indices, split_batch
-from gcfamily.data.formats import Formatter, encode
+from gcfamily.data.encoding import Formatter, encode
 from gcfamily.models import tiny_tokenizer
 
 

@@ -186,7 +186,7 @@ def _fake_generate(monkeypatch, completions, calls):
 
 
 def test_one_sampling_pass_gives_pass_at_k_and_maj_at_k(monkeypatch):
-    from gcfamily.data.formats import Formatter
+    from gcfamily.data.encoding import Formatter
 
     task = ArithmeticTask()
     rows = [
@@ -228,7 +228,7 @@ def test_one_sampling_pass_gives_pass_at_k_and_maj_at_k(monkeypatch):
 
 
 def test_a_broken_answer_function_is_one_sentence(monkeypatch):
-    from gcfamily.data.formats import Formatter
+    from gcfamily.data.encoding import Formatter
 
     rows = [{"prompt": "What is 0 + 1?", "answer": "1"}]
     reward = ArithmeticTask().reward

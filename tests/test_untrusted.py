@@ -399,7 +399,7 @@ def test_a_split_a_file_cannot_have_is_refused(tmp_path):
 
 def test_preference_pairs_whose_chosen_equals_rejected(capfd):
     """They score log 2 whatever the policy and add no gradient: all of them refused, some of them counted on stderr."""
-    from gcfamily.data.formats import Formatter, encode
+    from gcfamily.data.encoding import Formatter, encode
     from gcfamily.errors import GcfError
     from gcfamily.models import tiny_tokenizer
 

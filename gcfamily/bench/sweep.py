@@ -113,7 +113,7 @@ def heldout_of(folder: Optional[Path], settings: dict[str, Any]) -> float:
     import torch
 
     from gcfamily.run.heldout import heldout_accuracy
-    from gcfamily.data.formats import Formatter
+    from gcfamily.data.encoding import Formatter
     from gcfamily.models import load_model
     from gcfamily.tasks import get_task
 

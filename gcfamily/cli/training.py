@@ -176,7 +176,7 @@ def eval_cmd(
         from gcfamily.config import validate
         from gcfamily.data.sources import load_rows
         from gcfamily.run.heldout import evaluate_rows
-        from gcfamily.data.formats import Formatter
+        from gcfamily.data.encoding import Formatter
         from gcfamily.rewards import Rewards
 
         if not reward:
@@ -225,7 +225,7 @@ def eval_cmd(
     n = len(t.heldout_rows(samples))
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
     if maj_k is not None:
-        from gcfamily.data.formats import Formatter
+        from gcfamily.data.encoding import Formatter
 
         t0 = time.time()
         got = sampled_eval(

@@ -1,4 +1,4 @@
-"""The data settings: where rows come from and how they become tokens (gcfamily/data/sources.py, gcfamily/data/formats.py).
+"""The data settings: where rows come from and how they become tokens (gcfamily/data/sources.py, gcfamily/data/formats.py, gcfamily/data/encoding.py).
 
 A base of `Config`, kept apart so each file stays readable; `gcf settings` lists these with the rest.
 """

@@ -27,7 +27,7 @@ from gcfamily.methods.services import LocalServices, Services
 __all__ = ["Batch", "GENERATED", "Method", "ROW", "STEP", "Stats", "TOKEN", "heldout_normaliser"]
 
 if TYPE_CHECKING:
-    from gcfamily.data.formats import Encoded
+    from gcfamily.data.encoding import Encoded
 
 Stats = dict[str, float]
 """A step's statistics, returned beside its batch by `data` and `prepare` and logged under their names."""
@@ -97,8 +97,8 @@ class Method:
         return task.rows(split)
 
     def load_data(self, services: Services) -> "Encoded":
-        """The run's rows (its dataset, else its task's), checked against `data_kind` and tokenised (formats.encode)."""
-        from gcfamily.data.formats import encode
+        """The run's rows (its dataset, else its task's), checked against `data_kind` and tokenised (encoding.encode)."""
+        from gcfamily.data.encoding import encode
 
         cfg = self.cfg
         return encode(
@@ -202,9 +202,10 @@ class Method:
         return -float(self.objective(batch, logps, heldout_normaliser(batch, self.norm, self.cfg.norm_constant)))
 
     def heldout_encode(self, services: Services, rows: list[dict[str, Any]]) -> Encoded | None:
-        """Held-out rows tokenised as this method's data (formats.encode of `data_kind`); None where they are of a format
+        """Held-out rows tokenised as this method's data (encoding.encode of `data_kind`); None where they are of a format
         the method does not train on (prompt rows that only a reward scores)."""
-        from gcfamily.data.formats import KINDS, detect, encode
+        from gcfamily.data.formats import KINDS, detect
+        from gcfamily.data.encoding import encode
 
         if not rows or detect(rows[0]) not in KINDS.get(self.data_kind, ()):
             return None

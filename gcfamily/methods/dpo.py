@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gcfamily.config import Config, MethodSettings, planned_steps, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
-from gcfamily.data.formats import encode
+from gcfamily.data.encoding import encode
 from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
 from gcfamily.methods.onpolicy import make_rewards, sampling_of
 from gcfamily.methods.pools import Pool, draw, pairs_of, pool_for

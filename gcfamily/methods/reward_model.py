@@ -28,7 +28,7 @@ from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.core.engine import build_optimizer, lr_lambda, second_model_step
 from gcfamily.core.memory import module_mb
 from gcfamily.errors import GcfError
-from gcfamily.data.formats import encode
+from gcfamily.data.encoding import encode
 from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
 from gcfamily.data.preferences import preference_rows

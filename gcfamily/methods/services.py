@@ -32,7 +32,7 @@ class Services(Protocol):
     tokenizer: Any
     """The policy's tokenizer."""
     formatter: Any
-    """The run's Formatter (gcfamily/data/formats.py): rows to token ids."""
+    """The run's Formatter (gcfamily/data/encoding.py): rows to token ids."""
     task: Any
     """The built-in task, or None when the run trains on a dataset."""
     reward_functions: Optional[list]

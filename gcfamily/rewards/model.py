@@ -26,7 +26,7 @@ from torch import nn
 from gcfamily.data.batches import default_pad_id
 from gcfamily.core.engine import position_ids_from_mask
 from gcfamily.errors import GcfError
-from gcfamily.data.formats import Formatter
+from gcfamily.data.encoding import Formatter
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ class RewardModel(nn.Module):
         return self.head(h).squeeze(-1).float()
 
     def encode(self, prompt: Any, completion: str) -> list[int]:
-        """Prompt + completion as in training (formats.Formatter at the default chat_format); the end is kept if too long (the score reads it)."""
+        """Prompt + completion as in training (encoding.Formatter at the default chat_format); the end is kept if too long (the score reads it)."""
         fmt = Formatter(self.tokenizer)
         ids = fmt.prompt_ids(prompt) + fmt.completion_ids(prompt, completion)
         return ids[-self.max_length :]

@@ -15,7 +15,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.core import engine, precision, threads
-from gcfamily.data.formats import Formatter
+from gcfamily.data.encoding import Formatter
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Method
 from gcfamily.models import load_model, lora

@@ -159,7 +159,7 @@ class Evaluation:
         if self.eval_dataset is not None:
             self.method_batch = method.eval_batch(method.services, self.eval_rows()[: cfg.eval_samples])
             if self.scores_completions(method):
-                from gcfamily.data.formats import encode
+                from gcfamily.data.encoding import encode
 
                 encode(
                     "prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from gcfamily.core.onednn import packed_linears
-from gcfamily.data.formats import Formatter, encode
+from gcfamily.data.encoding import Formatter, encode
 from gcfamily.errors import GcfError
 
 Answer = Callable[[str], Hashable | None]  # a completion's answer for the vote, None where it gives none

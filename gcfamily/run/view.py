@@ -14,7 +14,7 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.core import threads
-from gcfamily.data.formats import Formatter
+from gcfamily.data.encoding import Formatter
 from gcfamily.methods.base import Method
 from gcfamily.run.budget import Budget
 from gcfamily.run.evaluation import Evaluation
