@@ -19,7 +19,8 @@ _EXPORTS = {
     "Config": "gcfamily.config",
     "get_method": "gcfamily.methods",
     "load_rows": "gcfamily.data.sources",
-    "Formatter": "gcfamily.data.formats",
+    "Formatter": "gcfamily.data.encoding",
+    "Batch": "gcfamily.core.batch",
     "GcfError": "gcfamily.errors",
 }
 __all__ = ["__version__", *_EXPORTS]

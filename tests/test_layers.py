@@ -191,3 +191,34 @@ def test_public_names_import_from_their_faces(face: str) -> None:
     import gcfamily
 
     assert callable(gcfamily.train)
+
+
+def test_package_faces_only_re_export() -> None:
+    """A package's __init__.py documents and re-exports (torchtune's faces): a docstring, imports, `__all__`; the top
+    package's re-exports load lazily (PEP 562: its name table and a `__getattr__` that imports)."""
+    lazy = {"__version__", "_EXPORTS"}
+    impl = []
+    for init in sorted(PKG.rglob("__init__.py")):
+        for node in ast.parse(init.read_text()).body:
+            doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            names = isinstance(node, (ast.Assign, ast.AnnAssign)) and all(
+                isinstance(t, ast.Name) and (t.id == "__all__" or (init.parent == PKG and t.id in lazy))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+            getattr_ = init.parent == PKG and isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+            if not (doc or names or getattr_ or isinstance(node, (ast.Import, ast.ImportFrom))):
+                impl.append(f"{init.relative_to(ROOT)}:{node.lineno}")
+    assert impl == []
+
+
+def test_no_module_over_the_house_limit() -> None:
+    """Files stay small (CONVENTIONS.md, house rule 4): past 400 lines a module is split by responsibility."""
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_every_name_the_top_package_exports_resolves() -> None:
+    import gcfamily
+
+    for name in gcfamily.__all__:  # a module moved under a lazy export would only fail at a user's first use
+        assert getattr(gcfamily, name) is not None, name
