@@ -31,8 +31,8 @@ from test_family_sampling import OVERRIDES, SIZES, oracle_logps, tiny
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.rollout import SamplingSettings, generate, recompute
 

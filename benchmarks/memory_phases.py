@@ -125,13 +125,13 @@ def child(model: str, mode: str, out: str, max_new_tokens: int) -> None:
     with P("imports"):
         import torch
 
+        from gcfamily.config import Config
         from gcfamily.core import engine
+        from gcfamily.methods import onpolicy
         from gcfamily.models import lora
         from gcfamily.rollout import native as rollout
         from gcfamily.run import build as build_mod
         from gcfamily.run import trainer as trainer_mod
-        from gcfamily.config import Config
-        from gcfamily.methods import onpolicy
         from gcfamily.run.trainer import Trainer
     torch.set_num_threads(2)
     state: dict = {}

@@ -63,9 +63,9 @@ def matmul_rate(n: int = 2048, reps: int = 5) -> float:
 
 def step_figures(name: str, model: str, reps: int, profile: bool) -> dict:
     """Time `reps` training steps of one method on the batch of step 0; FLOP counts of what they do."""
-    from gcfamily.methods import resolve
-    from gcfamily.data.batches import split_batch
     from gcfamily.core.engine import effective_mask, pack_rows
+    from gcfamily.data.batches import split_batch
+    from gcfamily.methods import resolve
     from gcfamily.run.trainer import Trainer
 
     case = CASES[name]

@@ -46,14 +46,13 @@ from typing import Any, Optional
 
 import torch
 
+from gcfamily.config import Config, apply, parse_sets, resolve_settings, validate
 from gcfamily.core import engine
-from gcfamily.config import Config, apply, parse_sets, resolve_settings
-from gcfamily.config import validate
 from gcfamily.methods import get_method
-from gcfamily.methods.services import LocalServices
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.clipped import kl_value
 from gcfamily.methods.grpo import GRPO
+from gcfamily.methods.services import LocalServices
 
 TOL = 1e-6
 CONTROL_MIN = 1e-4  # a control row must differ by at least this much

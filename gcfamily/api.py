@@ -77,8 +77,8 @@ def train(
 ) -> Path:
     """Train and return the run folder (module docstring); the final model loads with from_pretrained(folder)."""
     from gcfamily.config import Config, apply, resolve_settings
-    from gcfamily.methods import get_method
     from gcfamily.data.sources import describe
+    from gcfamily.methods import get_method
     from gcfamily.methods.base import Method
     from gcfamily.run.trainer import Trainer
 

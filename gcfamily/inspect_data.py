@@ -53,9 +53,9 @@ def _quantiles(values: list[int]) -> str:
 
 def describe(cfg: Any, n_rows: int = 3) -> str:
     """The report `gcf data` prints for a resolved Config."""
-    from gcfamily.data.sources import load_rows
-    from gcfamily.data.formats import FORMATS
     from gcfamily.data.encoding import Formatter, encode
+    from gcfamily.data.formats import FORMATS
+    from gcfamily.data.sources import load_rows
     from gcfamily.methods import get_method
 
     cls = get_method(cfg.method)

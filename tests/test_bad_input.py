@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gcfamily.data.sources import load_rows
-from gcfamily.data.formats import as_kind
 from gcfamily.data.encoding import Formatter, encode
+from gcfamily.data.formats import as_kind
+from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_tokenizer
 

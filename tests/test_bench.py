@@ -4,13 +4,12 @@ import contextlib
 import json
 
 import pytest
-
 from conftest import metrics_rows
-from gcfamily.bench import DEFAULT_METHODS, SUITES, check_sets, default_methods, method_name, parse_budget, run_settings
-from gcfamily.methods import resolve
-from gcfamily.errors import GcfError
-from gcfamily.run.trainer import Trainer
 
+from gcfamily.bench import DEFAULT_METHODS, SUITES, check_sets, default_methods, method_name, parse_budget, run_settings
+from gcfamily.errors import GcfError
+from gcfamily.methods import resolve
+from gcfamily.run.trainer import Trainer
 
 METHODS = ["sft", "grpo", "dpo"]  # one of each data source; every child pays a few seconds of imports
 
@@ -255,7 +254,6 @@ def test_eval_every_s_evaluates_each_time_the_training_clock_crosses_a_multiple(
     import types
 
     import gcfamily.run.trainer as trainer_module
-    from gcfamily.run.trainer import Trainer
 
     ticks = iter(range(10**6))
     monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
@@ -778,7 +776,6 @@ def test_sweep_with_seeds_chooses_on_the_mean_validation_and_reads_the_test_spli
 
 def test_validation_rows_never_train(tmp_path):
     from gcfamily.config import Config
-    from gcfamily.run.trainer import Trainer
 
     tr = Trainer(
         Config(

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import metrics_rows
 from datasets import Dataset
 
 import gcfamily as gcf
-from conftest import metrics_rows
 
 SMALL = {"max_steps": 2, "batch_size": 2, "group_size": 2, "max_new_tokens": 6, "progress": False}
 SETS = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]

@@ -4,10 +4,10 @@ import json
 import re
 
 import pytest
+from conftest import metrics_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import metrics_rows
 from gcfamily.errors import GcfError
 from gcfamily.rewards import score
 from gcfamily.tasks import TASKS, ChainedTask, chained_process_reward, chained_reward, get_task, task_options

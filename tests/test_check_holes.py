@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gcfamily.core.batch import Batch
 from gcfamily import check
 from gcfamily.config import Config
 from gcfamily.core import engine, logprobs
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.grpo import GRPO

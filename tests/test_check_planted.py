@@ -132,7 +132,10 @@ def test_a_batch_std_of_one_rank_is_caught_on_two_ranks(name: str, monkeypatch: 
 
 def test_a_whitening_of_one_rank_is_caught_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     real = ppo.whiten
-    local = lambda x, mask, all_sum=None: real(x, mask)
+
+    def local(x, mask, all_sum=None):
+        return real(x, mask)
+
     _caught("ppo", "two simulated ranks (whitening over both)", monkeypatch, (ppo, "whiten", local))
 
 

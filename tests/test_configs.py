@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gcfamily.methods import resolve
 from gcfamily.config import validate
-from gcfamily.methods import get_method
+from gcfamily.methods import get_method, resolve
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

@@ -6,13 +6,11 @@ with CUDA graphs (tests marked gpu).
 
 import pytest
 import torch
+from test_rollout import EOS, PAD, assert_greedy_equals_hf, tokenizer  # noqa: F401  (tokenizer: a fixture)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gcfamily.rollout import decode
 from gcfamily.errors import GcfError
-from gcfamily.rollout import Rollout, SamplingSettings, generate
-
-from test_rollout import EOS, PAD, assert_greedy_equals_hf, tokenizer  # noqa: F401  (tokenizer: a fixture)
+from gcfamily.rollout import Rollout, SamplingSettings, decode, generate
 
 
 @pytest.fixture(scope="module")

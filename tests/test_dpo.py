@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from gcfamily.core.batch import Batch
-from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
+from gcfamily.core import engine
+from gcfamily.core.batch import Batch
 from gcfamily.data.batches import split_batch
-from gcfamily.methods import get_method
 from gcfamily.data.formats import normalize
 from gcfamily.data.preferences import MALFORMED, preference_rows
+from gcfamily.methods import get_method
 from gcfamily.tasks import get_task
 
 PREFERENCE_METHODS = ("dpo", "ipo", "cdpo", "simpo")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gcfamily.core.batch import Batch, TOKEN
 from gcfamily.core import engine
+from gcfamily.core.batch import TOKEN, Batch
 from gcfamily.data.batches import split_batch
 from gcfamily.models import tiny_model
 

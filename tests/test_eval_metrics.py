@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import metrics_rows
 
 import gcfamily as gcf
-from conftest import metrics_rows
 
 SEED = 3
 SMALL = dict(

@@ -23,11 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from gcfamily.config import FIELD_NAMES
 import torch
 
 from gcfamily import check
+from gcfamily.config import FIELD_NAMES
 from gcfamily.errors import GcfError
 from gcfamily.methods import METHODS, get_method
 from gcfamily.methods.base import Batch, Method

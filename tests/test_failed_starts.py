@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily.core.batch import STEP
 from gcfamily.config import Config
+from gcfamily.core.batch import STEP
 from gcfamily.errors import GcfError
 from gcfamily.run.trainer import Trainer
 

@@ -8,8 +8,8 @@ import transformers as tf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families, packing
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.rollout import SamplingSettings, generate
 

@@ -15,8 +15,8 @@ import torch
 import transformers as tf
 from test_families import PAD, distinct_batch, grpo_batch, tokenizer
 
-from gcfamily.core.batch import Batch
 from gcfamily.core import engine, families
+from gcfamily.core.batch import Batch
 from gcfamily.rollout import SamplingSettings, generate, recompute
 
 V = 128

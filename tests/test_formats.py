@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from conftest import metrics_rows
 
+from gcfamily.data.encoding import Formatter, encode
 from gcfamily.data.sources import load_rows
 from gcfamily.errors import GcfError
-from gcfamily.data.encoding import Formatter, encode
 from gcfamily.models import TINY_CHAT_TEMPLATE, tiny_tokenizer
 
 TOK = tiny_tokenizer()  # never handed to a Formatter itself: each test gives it a copy (chat_template mutates it)

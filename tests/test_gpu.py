@@ -56,8 +56,7 @@ def test_cuda_bf16_gradients_track_the_cpu_float32_path():
 
 
 def test_compiled_cuda_rollout_equals_eager_and_is_reused():
-    from gcfamily.rollout import decode
-    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.rollout import SamplingSettings, decode, generate
 
     tok = tiny_tokenizer()
     model = tiny_model(len(tok), seed=1).cuda().eval()

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from gcfamily.core.batch import Batch
 from gcfamily import check
 from gcfamily.config import Config
-from gcfamily.methods import get_method
-from gcfamily.methods import grpo_ps
+from gcfamily.core.batch import Batch
+from gcfamily.methods import get_method, grpo_ps
 from gcfamily.methods.grpo_ps import GRPOProcess, process_advantages
 from gcfamily.methods.onpolicy import place_steps
 from gcfamily.models import tiny_tokenizer

@@ -200,7 +200,11 @@ def test_package_faces_only_re_export() -> None:
     impl = []
     for init in sorted(PKG.rglob("__init__.py")):
         for node in ast.parse(init.read_text()).body:
-            doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            doc = (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            )
             names = isinstance(node, (ast.Assign, ast.AnnAssign)) and all(
                 isinstance(t, ast.Name) and (t.id == "__all__" or (init.parent == PKG and t.id in lazy))
                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target])

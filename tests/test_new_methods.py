@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_engine_grad_matches_objective, metrics_rows
-from gcfamily.core.batch import Batch, TOKEN
-from gcfamily.core import engine
+
 from gcfamily.config import Config
+from gcfamily.core import engine
+from gcfamily.core.batch import TOKEN, Batch
 from gcfamily.data.batches import select
 from gcfamily.errors import GcfError
 from gcfamily.methods.grpo import GRPO

@@ -156,8 +156,8 @@ def test_packing_off_in_the_block_and_for_a_run(model, monkeypatch, tmp_path):
 
 @torch.no_grad()
 def test_an_evaluation_packs_the_weights_once_for_all_its_batches(model, monkeypatch):
-    from gcfamily.run.heldout import evaluate_rows, sampled_pass_at_k
     from gcfamily.data.encoding import Formatter
+    from gcfamily.run.heldout import evaluate_rows, sampled_pass_at_k
 
     class Tok:  # ids in, ids out: enough for encoding prompts and generate
         pad_token_id, eos_token_id, chat_template = 0, 1, None

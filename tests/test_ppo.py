@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gcfamily.core.batch import Batch
-from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
+from gcfamily.core import engine
+from gcfamily.core.batch import Batch
 from gcfamily.data.batches import split_batch
 from gcfamily.methods import get_method
 from gcfamily.methods.ppo import PPO, explained_variance, gae, value_loss_terms, whiten

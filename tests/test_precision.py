@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily.core import engine, logprobs, precision
 from gcfamily.config import Config
+from gcfamily.core import engine, logprobs, precision
+from gcfamily.core.onednn import packed_linears
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_model, tiny_tokenizer
-from gcfamily.core.onednn import packed_linears
 from gcfamily.run.trainer import Trainer
 
 SFT = dict(

@@ -17,10 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcfamily.cli import main
-from gcfamily.config import INTERNAL, Config
-from gcfamily.methods import resolve
-from gcfamily.config import validate
+from gcfamily.config import INTERNAL, Config, validate
 from gcfamily.errors import GcfError
+from gcfamily.methods import resolve
 
 INF = math.inf
 # name -> (kind, low, high, low open, high open): the values a setting may take, both ends included unless open.

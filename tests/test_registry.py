@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import metrics_rows
-from gcfamily.core.batch import Batch
-from gcfamily.core import engine
+
 from gcfamily.config import Config
+from gcfamily.core import engine
+from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method, installed_methods, method_label
 from gcfamily.methods.base import Method

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gcfamily.core.batch import STEP
 from gcfamily.config import Config
+from gcfamily.core.batch import STEP
 from gcfamily.errors import GcfError, Interrupted
 from gcfamily.run.trainer import Trainer
 

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import metrics_rows
 
 SMALL = ["--set", "progress=false", "--set", "report_to=none", "--set", "batch_size=2"]

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from gcfamily.config import Config
 from gcfamily.errors import GcfError

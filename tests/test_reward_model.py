@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from gcfamily.cli import main
 from gcfamily.config import Config
 from gcfamily.data.batches import split_batch
+from gcfamily.data.preferences import MALFORMED, preference_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.reward_model import RewardModelTraining
 from gcfamily.models import load_model
-from gcfamily.data.preferences import MALFORMED, preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss, load_reward_model
 from gcfamily.run.trainer import Trainer
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gcfamily.core.batch import Batch
-from gcfamily.core import engine
 from gcfamily.cli import main
 from gcfamily.config import Config
+from gcfamily.core import engine
+from gcfamily.core.batch import Batch
 from gcfamily.methods import get_method
 from gcfamily.methods.rft import RFT
 from gcfamily.run.trainer import Trainer

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import metrics_rows
+
 from gcfamily.core import engine
+from gcfamily.methods.theory_variants import PREDICTED
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, sample_groups
 from gcfamily.theory.train import (
@@ -24,7 +25,6 @@ from gcfamily.theory.train import (
     step_normaliser,
     train_bandit,
 )
-from gcfamily.methods.theory_variants import PREDICTED
 
 K4 = BanditProblem(np.array([[0.4, 0.3, 0.2, 0.1]]), np.array([[0.0, 1.0, 2.5, 3.0]]))  # distinct, uneven rewards
 K4_BERNOULLI = BanditProblem(np.array([[0.4, 0.3, 0.2, 0.1]]), np.array([[0.1, 0.3, 0.6, 0.9]]), bernoulli=True)
@@ -134,9 +134,10 @@ def test_variants_reach_their_predictions(method, G, beta):
 def test_grpo_is_not_log_pooling_but_shift_only_direct_kl_is(problem):
     G, beta = 4, 0.5
     beta_eff = beta * G / (G - 1)  # shift-only advantages carry a factor (1 - 1/G)
-    pool = lambda b: np.stack(
-        [predictions.log_pooling(problem.pi_ref[q], problem.rewards[q], b) for q in range(problem.P)]
-    )
+
+    def pool(b):
+        return np.stack([predictions.log_pooling(problem.pi_ref[q], problem.rewards[q], b) for q in range(problem.P)])
+
     grpo = train_bandit(problem, bandit_config("grpo", G, beta), exact=True).pi
     assert np.abs(grpo - pool(beta)).max() > 0.05 and np.abs(grpo - pool(beta_eff)).max() > 0.05
     both = train_bandit(problem, bandit_config("grpo-shift-direct-kl", G, beta), exact=True).pi

@@ -228,7 +228,10 @@ def test_rlhf_is_shift_only_direct_kl_at_infinity():
 def test_grpo_is_not_log_pooling(G):
     # log pooling makes log(pi/pi_ref) affine in r; with r = 0, .5, 1 the second difference is 0
     ref, r = np.array([0.5, 0.3, 0.2]), np.array([0.0, 0.5, 1.0])
-    second = lambda pi: np.diff(np.log(pi / ref), 2)[0]
+
+    def second(pi):
+        return np.diff(np.log(pi / ref), 2)[0]
+
     assert abs(second(grpo_stationary(ref, r, G, 0.5).pi)) > 1e-3
     assert abs(second(grpo_stationary(ref, r, G, 0.5, variant="shift_only_direct_kl").pi)) < 1e-9
 

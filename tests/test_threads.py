@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import metrics_rows
 
 from gcfamily.config import Config
 from gcfamily.core import threads
 from gcfamily.core.threads import choose_threads, counted_busy, resumed_threads, stat_ticks
 from gcfamily.errors import Interrupted
 from gcfamily.run.trainer import Trainer
-
-from conftest import metrics_rows
-
 
 # --------------------------------------------------------------------------- the choice, by hand
 

@@ -13,11 +13,10 @@ import tomllib
 import torch
 from conftest import metrics_rows
 
-from gcfamily.config import FIELD_NAMES, Config, apply, validate
+from gcfamily.config import FIELD_NAMES, Config, apply, planned_steps, validate
 from gcfamily.config.trl_names import TRL_NAMES, markdown_table
 from gcfamily.errors import GcfError, Interrupted
 from gcfamily.methods import METHODS, get_method
-from gcfamily.config import planned_steps
 from gcfamily.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

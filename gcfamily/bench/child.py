@@ -128,9 +128,8 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     batch = Batch(
         input_ids=ro.input_ids.cpu(), attention_mask=ro.attention_mask.cpu(), loss_mask=ro.completion_mask.cpu()
     )
-    ref, _ = load_model(
-        cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed
-    )  # the untouched initial model
+    # the untouched initial model
+    ref, _ = load_model(cfg.model, trainer.dtype, trainer.device, cfg.trust_remote_code, cfg.seed)
     float32 = getattr(getattr(trainer, "precision", None), "compute", torch.float32) == torch.float32
     lp = ro.sample_logps.float().cpu() if float32 else trainer.services.logprobs(policy, batch)  # [N, L]
     lr = trainer.services.logprobs(ref.eval(), batch)  # [N, L]
@@ -200,10 +199,11 @@ def _measure(trainer: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
             answer=task_answer(trainer.task),
         )
         out["pass_at_k"], out["maj_at_k"] = sampled.pass_at_k, sampled.maj_at_k
+        # paired comparisons (gcf bench --suite unified)
         out["sampled_k"], out["sampled_per_prompt"] = (
             k,
             sampled.per_prompt,
-        )  # paired comparisons (gcf bench --suite unified)
+        )
         out["pass_s"] = time.perf_counter() - t2
     return out
 

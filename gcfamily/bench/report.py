@@ -82,9 +82,8 @@ def summarise(folder: Path, proc: dict[str, Any]) -> dict[str, Any]:
     res["maj_at_k"] = extra.get("maj_at_k")  # absent from results written before maj@k, None without an answer function
     res["prompts_seen"] = len(steps) * cfg["batch_size"] if "batch_size" in cfg else None
     params = extra.get("params")
-    res["train_flops"] = (
-        6 * params * res["train_tokens"] + 2 * params * generated if params else None
-    )  # forward+backward, sampling
+    # forward+backward, sampling
+    res["train_flops"] = 6 * params * res["train_tokens"] + 2 * params * generated if params else None
     return res
 
 

@@ -237,14 +237,12 @@ def band_plots(
     ):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for i, (m, all_runs) in enumerate(per_method.items()):
-            runs = [
-                r for r in all_runs if r.get("returncode") == 0
-            ]  # a failed run's last figures are not its final ones
+            # a failed run's last figures are not its final ones
+            runs = [r for r in all_runs if r.get("returncode") == 0]
             if not runs:
                 continue
-            if (
-                key == "eval/accuracy"
-            ):  # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
+            # k-th evaluation of every seed: seeds evaluate at other steps under a time budget
+            if key == "eval/accuracy":
                 xs, ys = evaluation_points(runs, prompts_per_step)
             else:
                 by_step: dict[int, list[float]] = {}

@@ -97,9 +97,8 @@ def run_bench(
         check_run_folder(out / name, plan, replace_runs)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    threads = threads or (
-        1 if quick else None
-    )  # a tiny model gains nothing from a second thread, and loses much on a busy machine
+    # a tiny model gains nothing from a second thread, and loses much on a busy machine
+    threads = threads or (1 if quick else None)
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     header = {

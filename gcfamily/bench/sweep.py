@@ -47,9 +47,8 @@ def plan_sweep(
             for k in range(seeds):
                 name = names[spec] + ("" if v is None else f"/{key}={v}") + (f"/seed-{k}" if seeds > 1 else "")
                 settings = seeded(settings_of(spec, dict(sets) if v is None else {**sets, key: v}), k, out / name)
-                settings["validation_rows"] = int(
-                    settings.get("eval_samples", 64)
-                )  # the choice never reads the test split
+                # the choice never reads the test split
+                settings["validation_rows"] = int(settings.get("eval_samples", 64))
                 plans[name] = {"method_spec": spec, "settings": settings}
     return plans
 
@@ -68,12 +67,10 @@ def write_sweep(
     base_acc = heldout_of(None, next(iter(settings.values())))
     for runs in per_method.values():
         for r in runs:
-            r["val_accuracy"] = (
-                final_validation(Path(r["folder"])) if r.get("returncode") == 0 else None
-            )  # a failed run's last is not final
-        groups = [
-            runs[i : i + seeds] for i in range(0, len(runs), seeds)
-        ]  # one group of seeds per value, in the order given
+            # a failed run's last is not final
+            r["val_accuracy"] = final_validation(Path(r["folder"])) if r.get("returncode") == 0 else None
+        # one group of seeds per value, in the order given
+        groups = [runs[i : i + seeds] for i in range(0, len(runs), seeds)]
         means = [_mean_of([r["val_accuracy"] for r in g]) for g in groups]
         i = choose([str(j) for j in range(len(groups))], means)
         for j, g in enumerate(groups):
@@ -112,13 +109,12 @@ def heldout_of(folder: Optional[Path], settings: dict[str, Any]) -> float:
     """Held-out test accuracy of a model folder (None: the suite's base model), as the trainer measures it (greedy, eval_samples)."""
     import torch
 
-    from gcfamily.run.heldout import heldout_accuracy
-    from gcfamily.data.encoding import Formatter
-    from gcfamily.models import load_model
-    from gcfamily.tasks import get_task
-
     from gcfamily.core import onednn
+    from gcfamily.data.encoding import Formatter
     from gcfamily.methods import resolve
+    from gcfamily.models import load_model
+    from gcfamily.run.heldout import heldout_accuracy
+    from gcfamily.tasks import get_task
 
     cfg = resolve(None, settings)  # typed, as the run read them
     task = get_task(cfg.task, seed=cfg.seed if cfg.task_seed is None else cfg.task_seed, **cfg.task_options)

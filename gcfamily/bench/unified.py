@@ -301,8 +301,8 @@ def run_unified(
     task: Optional[str] = None,
 ) -> dict[str, Any]:
     """Stage 1 (pi_sft), then stage 2 (every method from pi_sft, `seeds` times), then bench.md, bench.json and the plots."""
-    from gcfamily.bench.runs import _load, check_run_folder, finished_run, launch
     from gcfamily.bench.report import fmt, summarise
+    from gcfamily.bench.runs import _load, check_run_folder, finished_run, launch
     from gcfamily.bench.seeds import band_plots, seeds_table
 
     if seeds < 1:
@@ -351,9 +351,8 @@ def run_unified(
     header.update(load_end=_load(), total_s=time.perf_counter() - t0, kept=kept)
     walls = {key: r.get("wall_s") for key, r in results.items()}
     header["stage1_s"] = walls.get(STAGE)
-    header["seed_s"] = [
-        sum(w or 0.0 for key, w in walls.items() if key.endswith(f"/seed-{k}")) for k in range(seeds)
-    ]  # each seed's stage 2: what one more seed costs; one seed from scratch is stage1_s + seed_s[0]
+    # each seed's stage 2: what one more seed costs; one seed from scratch is stage1_s + seed_s[0]
+    header["seed_s"] = [sum(w or 0.0 for key, w in walls.items() if key.endswith(f"/seed-{k}")) for k in range(seeds)]
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in results.items():
         per_method.setdefault(key.split("/")[0], []).append(r)

@@ -164,12 +164,25 @@ def build_groups(
 # steps per output (score of each, in order; an empty list: no step scored) for 4 prompts x G = 4: group 0 mixes
 # several steps and an output with none, group 1 has one step each (outcome-like) with distinct rewards, group 2
 # holds the failed sample, group 3's step rewards are all equal (away from FAR, whose KL must stay in Z)
+# fmt: skip
 STEPS = [
-    [1.0, 0.0, 1.0], [], [0.5, 1.0], [0.0],
-    [1.0], [0.0], [0.25], [0.6],
-    [1.0, 1.0], [0.3], [0.0, 0.2, 0.9], [0.7],
-    [0.5], [0.5, 0.5], [0.5], [0.5, 0.5, 0.5],
-]  # fmt: skip
+    [1.0, 0.0, 1.0],
+    [],
+    [0.5, 1.0],
+    [0.0],
+    [1.0],
+    [0.0],
+    [0.25],
+    [0.6],
+    [1.0, 1.0],
+    [0.3],
+    [0.0, 0.2, 0.9],
+    [0.7],
+    [0.5],
+    [0.5, 0.5],
+    [0.5],
+    [0.5, 0.5, 0.5],
+]
 
 
 def build_process(
@@ -300,11 +313,12 @@ def _kto_textbook(lp_all: torch.Tensor, raw: Batch, kl_rows: Batch, stub: StubSe
     z0 = float(kl.mean().clamp(min=0.0))  # max(0.0, nan) would be 0.0; clamp keeps a NaN, which then fails by name
     r = ((lp_all[raw.row_id] - stub.logprobs(stub.ref, raw).double()) * mask).sum(-1)  # [B]
     good = raw.desirable
+    # [B]: lambda_y (1 - sigmoid(...))
     loss = torch.where(
         good,
         s.desirable_weight * torch.sigmoid(-s.beta * (r - z0)),
         s.undesirable_weight * torch.sigmoid(-s.beta * (z0 - r)),
-    )  # [B]: lambda_y (1 - sigmoid(...))
+    )
     br = Counter({"z0 = 0 (mean KL below 0)": int(z0 == 0.0), "z0 > 0": int(z0 > 0.0)})
     for label, sel in (("desirable", good), ("undesirable", ~good)):
         br[f"{label}, r > z0"] += int((sel & (r.detach() > z0)).sum())

@@ -110,9 +110,8 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
             lp_mb = _engine_logps(X, mb, tau_m)
             coefs.append(m_r.coefficient(mb, lp_mb.detach()))
             engine.weighted_loss(coefs[-1], lp_mb, mb, m_r.norm, Z).backward()
-    _nonfinite(
-        "the method's coefficient", torch.cat([c.detach().flatten() for c in coefs]), out, seed
-    )  # on float32 log-probs
+    # on float32 log-probs
+    _nonfinite("the method's coefficient", torch.cat([c.detach().flatten() for c in coefs]), out, seed)
     _nonfinite("the engine's gradient d loss/d logits", X.grad, out, seed)
     w = engine.token_weights(batch, m.norm)  # [B, L]
     dJ = -want[ids]  # [B, L] the textbook's dJ/dlogp
@@ -197,9 +196,8 @@ def run_case(cls: type[Method], label: str, settings: dict, seeds: tuple[int, ..
         raise GcfError(unsupported(cls))
     tb, _ = textbook_for(cls)
     out.textbook = tb is not None
-    design = (
-        tb if tb is not None else textbook_choices(cls)[0]
-    )  # a rule of its own: the batch its family's textbook designs
+    # a rule of its own: the batch its family's textbook designs
+    design = tb if tb is not None else textbook_choices(cls)[0]
     kind, why = own_rule(cls)
     out.rule = why if kind in ("coefficient", "objective") else ""
     try:

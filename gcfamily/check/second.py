@@ -113,9 +113,10 @@ def bradley_terry_check(cls: type[Method], seed: int) -> SecondCheck:
     got = table0 - m.rm.table.detach()
 
     table = table0.clone().requires_grad_(True)
+    # [N]
     score = torch.stack(
         [table[world.tokens[i], torch.arange(L)][world.attention_mask[i].bool()].sum() for i in range(N)]
-    )  # [N]
+    )
     margin = score[0::2] - score[1::2]  # [P] chosen minus rejected
     want = torch.autograd.grad(F.softplus(-margin).mean(), table)[0]
     br = Counter({"pairs ranked right": int((margin > 0).sum()), "pairs ranked wrong": int((margin < 0).sum())})

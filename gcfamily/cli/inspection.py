@@ -127,8 +127,7 @@ def tasks() -> None:
 @click.option("--rows", default=3, show_default=True, type=click.IntRange(0, 1000), help="Rows to print.")
 def data_cmd(config_path: Optional[str], sets: tuple[str, ...], rows: int, **opts: Any) -> None:
     """Show what a method trains on: format, chat format, rows kept and skipped, lengths, and the first rows as tokenised."""
-    from gcfamily.config import parse_sets
-    from gcfamily.config import validate
+    from gcfamily.config import parse_sets, validate
     from gcfamily.inspect_data import describe
 
     overrides = _overrides(**opts)

@@ -84,9 +84,8 @@ def _trl_setting_hint(config_path: str | None, overrides: dict[str, Any], error:
     if not unknown or f"'{unknown[0]}'" not in error:
         return None
     trl = TRL_NAMES.get(unknown[0])
-    if (
-        trl is None or trl.target == unknown[0]
-    ):  # a name gcfamily shares (beta for sft): the error names the method's own
+    # a name gcfamily shares (beta for sft): the error names the method's own
+    if trl is None or trl.target == unknown[0]:
         return None
     return sentence(unknown[0], f"'{unknown[0]}'")
 

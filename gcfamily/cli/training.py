@@ -48,8 +48,7 @@ from gcfamily.errors import GcfError
 @click.option("--strategy", type=str, help="ddp or fsdp2 when --nproc > 1.")
 def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str], nproc: int, **opts: Any) -> None:
     """Train a model with a method."""
-    from gcfamily.config import parse_sets
-    from gcfamily.config import validate
+    from gcfamily.config import parse_sets, validate
     from gcfamily.models import check_source, context_of
 
     overrides = _overrides(**opts)
@@ -172,12 +171,11 @@ def eval_cmd(
             "--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset)."
         )
     if dataset is not None:
-        from gcfamily.config import Config, apply
-        from gcfamily.config import validate
-        from gcfamily.data.sources import load_rows
-        from gcfamily.run.heldout import evaluate_rows
+        from gcfamily.config import Config, apply, validate
         from gcfamily.data.encoding import Formatter
+        from gcfamily.data.sources import load_rows
         from gcfamily.rewards import Rewards
+        from gcfamily.run.heldout import evaluate_rows
 
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
@@ -208,10 +206,10 @@ def eval_cmd(
             f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
         )
         return
+    import yaml
+
     from gcfamily.run.heldout import answer_extractor, heldout_accuracy, sampled_eval
     from gcfamily.tasks import get_task
-
-    import yaml
 
     try:  # --set min_len=2: a number, as in a recipe's task_options
         options = {k: yaml.safe_load(v) for k, v in parse_sets(sets).items()}

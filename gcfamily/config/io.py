@@ -220,9 +220,8 @@ def settings_for(method_cls: Any, cfg: Config) -> Any:
                 f"the shared ones are listed by `gcf settings`."
             )
         values[k] = _coerce(own[k], v)
-        if isinstance(values[k], float) and not math.isfinite(
-            values[k]
-        ):  # no method setting means anything at nan or inf
+        # no method setting means anything at nan or inf
+        if isinstance(values[k], float) and not math.isfinite(values[k]):
             raise GcfError(f"Setting {k}={values[k]} of method {cfg.method} must be a finite number.")
     return cls(**values)
 

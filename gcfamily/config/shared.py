@@ -10,14 +10,14 @@ from typing import Any, Optional
 
 from gcfamily.config.data import DataSettings
 from gcfamily.config.rules import (
-    holds_non_finite,
-    require,
     MAX_GROUP,
     MAX_ROWS,
     MAX_SAMPLED_TOKENS,
     MAX_SEQUENCE_TOKENS,
+    holds_non_finite,
     range_checks,
     real,
+    require,
     setting,
     whole,
 )
@@ -306,9 +306,8 @@ def _sizes(cfg: Config) -> list[tuple[bool, str]]:
 def validate(cfg: Config) -> None:
     """Range checks shared by every method; a method checks its own fields in Method.validate."""
     rewards = [] if cfg.reward is None else [cfg.reward] if isinstance(cfg.reward, str) else cfg.reward
-    n_rewards = (
-        len(rewards) if isinstance(rewards, (list, tuple)) and rewards else 1
-    )  # the task's or a reward model's is one
+    # the task's or a reward model's is one
+    n_rewards = len(rewards) if isinstance(rewards, (list, tuple)) and rewards else 1
     weights = cfg.reward_weights if isinstance(cfg.reward_weights, list) else [None]
     checks = [
         *_sizes(cfg),

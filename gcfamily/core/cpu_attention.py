@@ -66,15 +66,14 @@ def _mask_ok(mask: Any, B: int, H: int, Q: int, S: int) -> bool:
 
 def _plain(query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kwargs: dict[str, Any]) -> bool:
     B, H, Q, _ = query.shape
+    # no mask, one query: every key (SDPA's is_causal is off)
     return (
         query.device.type == "cpu"
         and query.dtype == key.dtype == torch.float32
         and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         and not dropout
         and Q <= MAX_QUERIES
-        and (
-            _mask_ok(mask, B, H, Q, key.shape[2]) or (mask is None and Q == 1)
-        )  # no mask, one query: every key (SDPA's is_causal is off)
+        and (_mask_ok(mask, B, H, Q, key.shape[2]) or (mask is None and Q == 1))
         and key.shape[0] == B  # SDPA broadcasts a batch-1 query (learned queries); this path does not
         and H % key.shape[1] == 0
         and all(k in _HARMLESS or v is None or v is False for k, v in kwargs.items())

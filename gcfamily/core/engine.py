@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from gcfamily.core.batch import Batch
-from gcfamily.errors import GcfError
 
 # the engine's API: the log-probs it weighs (core/logprobs.py) and the packed layout they run in (core/packing.py)
 from gcfamily.core.logprobs import (  # noqa: F401
@@ -46,6 +45,7 @@ from gcfamily.core.logprobs import (  # noqa: F401
     token_logprobs,
 )
 from gcfamily.core.packing import Packing, backbone_hidden, pack_rows, position_ids_from_mask, shared_prefix  # noqa: F401
+from gcfamily.errors import GcfError
 
 NORM_MODES = ("token", "sequence", "sum", "constant")
 

@@ -17,7 +17,6 @@ from gcfamily.core.batch import Batch
 from gcfamily.core.packing import backbone_hidden
 from gcfamily.errors import GcfError
 
-
 # ----------------------------------------------------------------------------------
 # log-probs of the taken tokens, chunked, with an exact hand-written backward
 
@@ -64,9 +63,8 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau, c = ctx.temperature, ctx.chunk_size
-        h_c, w_c, b_c = _cast(
-            ctx.compute, hidden, weight, bias
-        )  # recast, rather than hold a [V, H] copy from forward to backward
+        # recast, rather than hold a [V, H] copy from forward to backward
+        h_c, w_c, b_c = _cast(ctx.compute, hidden, weight, bias)
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = None  # the first chunk's product starts it: no [V, H] zero fill
         grad_b = (
@@ -196,9 +194,8 @@ class LogprobModel(nn.Module):
         logps, entropy = _token_logprobs(
             self.model, input_ids, attention_mask, loss_mask, temperature, chunk_size, share_prefix, host
         )
-        if not bool(
-            host[2][:, 1:].any()
-        ):  # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
+        # no token: the head still needs a (zero) gradient on this rank, or the reducers wait for it
+        if not bool(host[2][:, 1:].any()):
             logps = logps + 0.0 * sum(p.sum() for p in self.model.get_output_embeddings().parameters())
         return logps, entropy
 

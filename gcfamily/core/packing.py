@@ -207,9 +207,8 @@ def backbone_hidden(
     impl = getattr(config, "_attn_implementation", None)
     att = families.attention(config) if config is not None else None  # refuses a model no pass makes exact
     packable = impl in PACKED_ATTENTION and att is not None and att.packable
-    src = (
-        host if host is not None else (input_ids, attention_mask, loss_mask)
-    )  # CPU copies: the layout reads nothing back
+    # CPU copies: the layout reads nothing back
+    src = host if host is not None else (input_ids, attention_mask, loss_mask)
     packing = pack_rows(*src, share_prefix, device=input_ids.device) if packable else None
     if packing is None:
         out = backbone(
@@ -219,9 +218,8 @@ def backbone_hidden(
             use_cache=False,
         )
         return (out[0] if isinstance(out, tuple) else out.last_hidden_state), 0
-    mask = families.layer_masks(
-        att, packing.allowed, packing.position_ids
-    )  # one [R, 1, T, T] or {layer type: [R, 1, T, T]}
+    # one [R, 1, T, T] or {layer type: [R, 1, T, T]}
+    mask = families.layer_masks(att, packing.allowed, packing.position_ids)
     if impl == "eager":  # additive float masks
         dtype = next(backbone.parameters()).dtype
         mask = {k: _additive(m, dtype) for k, m in mask.items()} if isinstance(mask, dict) else _additive(mask, dtype)

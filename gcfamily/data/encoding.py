@@ -207,9 +207,8 @@ def encode(
     """
     form, checked = as_kind(rows, kind, method)
     conv = is_conversational(checked[0])
-    out = Encoded(
-        kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv)
-    )  # text rows are tokenised as written
+    # text rows are tokenised as written
+    out = Encoded(kind, form, conv, "raw" if "text" in checked[0] else fmt.mode(conv))
     same = 0  # pairs whose chosen and rejected are the same tokens (within max_length): no gradient from them
     for i, row in enumerate(checked):
         if kind == "demonstrations":

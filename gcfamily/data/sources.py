@@ -103,9 +103,8 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
                 f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder."
             )
         sliced = split.startswith("train[") and kind != "csv"  # train[:90%]: datasets' slice of the file's rows
-        if (
-            split not in FILE_SPLITS and not sliced
-        ):  # a split the file cannot have was a typo, or meant for a hub dataset
+        # a split the file cannot have was a typo, or meant for a hub dataset
+        if split not in FILE_SPLITS and not sliced:
             raise GcfError(
                 f"Dataset file {text} is a single split, so split '{split}' is not in it; leave dataset_split (or "
                 f"eval_split) at train, or pass a folder or hub dataset that has a split '{split}'."
@@ -115,9 +114,8 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
                 import csv
 
                 with open(path, newline="", encoding="utf-8") as f:
-                    return [
-                        {k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)
-                    ]  # cells past the header dropped
+                    # cells past the header dropped
+                    return [{k: v for k, v in r.items() if k is not None} for r in csv.DictReader(f)]
             return ds_lib.load_dataset(
                 kind, data_files=str(path), split=split if sliced else "train", trust_remote_code=False
             )

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 import torch
 
 from gcfamily.config import FIELD_NAMES, Config, MethodSettings, resolve_settings
-from gcfamily.data.batches import epoch_indices
 from gcfamily.core.batch import ROW, STEP, TOKEN, Batch
 from gcfamily.core.engine import effective_mask, example_weights, token_weights
-
+from gcfamily.data.batches import epoch_indices
 from gcfamily.methods.services import LocalServices, Services
 
 __all__ = ["Batch", "GENERATED", "Method", "ROW", "STEP", "Stats", "TOKEN", "heldout_normaliser"]
@@ -204,8 +203,8 @@ class Method:
     def heldout_encode(self, services: Services, rows: list[dict[str, Any]]) -> Encoded | None:
         """Held-out rows tokenised as this method's data (encoding.encode of `data_kind`); None where they are of a format
         the method does not train on (prompt rows that only a reward scores)."""
-        from gcfamily.data.formats import KINDS, detect
         from gcfamily.data.encoding import encode
+        from gcfamily.data.formats import KINDS, detect
 
         if not rows or detect(rows[0]) not in KINDS.get(self.data_kind, ()):
             return None

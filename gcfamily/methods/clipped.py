@@ -29,8 +29,8 @@ from typing import ClassVar, Optional
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.core.engine import effective_mask
 from gcfamily.config.rules import require
+from gcfamily.core.engine import effective_mask
 from gcfamily.methods.base import Batch
 from gcfamily.methods.onpolicy import OnPolicy
 

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 
 from gcfamily.config import Config, MethodSettings, planned_steps, resolve_settings
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
-from gcfamily.errors import GcfError
 from gcfamily.data.encoding import encode
+from gcfamily.data.preferences import preference_rows
+from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
 from gcfamily.methods.onpolicy import make_rewards, sampling_of
 from gcfamily.methods.pools import Pool, draw, pairs_of, pool_for
 from gcfamily.methods.services import Services
-from gcfamily.data.preferences import preference_rows
 
 _UPFRONT_PAIRS = 512
 """Under an open budget (max_time, max_tokens or max_flops: the steps are not known ahead) a pool of more pairs than this
@@ -108,9 +108,8 @@ class DPO(Method):
             # the planned steps (max_steps, or what `epochs` passes take) read the first reach positions of the data order
             reach = min(n, planned_steps(cfg, n) * cfg.batch_size)
             if (cfg.max_time or cfg.max_tokens or cfg.max_flops) and reach > _UPFRONT_PAIRS:
-                self.ref_model = (
-                    services.reference()
-                )  # the policy before any update: a frozen copy, or with LoRA the adapters off
+                # the policy before any update: a frozen copy, or with LoRA the adapters off
+                self.ref_model = services.reference()
             else:
                 # setup runs before any update (and before a resumed checkpoint is loaded), so the policy here IS the
                 # reference: no copy is made and no reference model stays in memory
@@ -145,9 +144,8 @@ class DPO(Method):
             drawn.prompt_index = [chosen[i] for i in drawn.prompt_index]
             return drawn
 
-        pool = pool_for(
-            services, "dpo-pairs", s.pool, make, resumed=False
-        )  # setup is before any update, resumed or not
+        # setup is before any update, resumed or not
+        pool = pool_for(services, "dpo-pairs", s.pool, make, resumed=False)
         if any(p >= n for p in pool.prompt_index):
             raise GcfError("The pool holds prompts this run does not have; pass a pool drawn on the same data.")
         pairs, unpaired = pairs_of(pool, s.reward_threshold)
@@ -170,9 +168,10 @@ class DPO(Method):
         model.eval()
         ref = {}
         for chunk in iter_chunks(rows, self.cfg.micro_batch_size):  # length-sorted: little padding
+            # [b, L]
             lp = self.services.logprobs(
                 model, collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in chunk], self.pad_id)
-            )  # [b, L]
+            )
             for b, (i, s) in enumerate(chunk):
                 start = len(self.pairs[i][0])
                 ref[(i, s)] = lp[b, start : start + len(self.pairs[i][s])].clone()
@@ -185,9 +184,8 @@ class DPO(Method):
         batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i, s in rows], self.pad_id)
         batch.example_weight = torch.full((len(rows),), 0.5)  # [B]: a pair is one example, Z counts pairs
         if self.uses_reference:
-            if (
-                self.ref_model is not None
-            ):  # every rank scores the step's whole global batch: the same forwards on each (FSDP)
+            # every rank scores the step's whole global batch: the same forwards on each (FSDP)
+            if self.ref_model is not None:
                 new = sorted(
                     {
                         i
@@ -257,9 +255,8 @@ class DPO(Method):
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         h, _ = self.rewards(batch, logps)
         loss, _ = self.pair_loss(h[0::2] - h[1::2])
-        kept = (
-            batch.valid[0::2].to(loss.dtype) if batch.valid is not None else torch.ones_like(loss)
-        )  # [P]: a masked pair counts nowhere
+        # [P]: a masked pair counts nowhere
+        kept = batch.valid[0::2].to(loss.dtype) if batch.valid is not None else torch.ones_like(loss)
         return -(loss * kept).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config, MethodSettings, resolve_settings
-from gcfamily.data.batches import collate, default_pad_id
 from gcfamily.core.engine import example_weights
+from gcfamily.data.batches import collate, default_pad_id
+from gcfamily.data.preferences import preference_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
-from gcfamily.data.preferences import preference_rows
 
 
 def unpaired_rows(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,9 +88,8 @@ class KTO(Method):
     def setup(self, services: Services) -> None:
         super().setup(services)
         cfg = self.cfg
-        data = self.load_data(
-            services
-        )  # unpaired rows, or preference pairs split into a desirable and an undesirable row
+        # unpaired rows, or preference pairs split into a desirable and an undesirable row
+        data = self.load_data(services)
         self.examples, self.skipped = data.examples, data.n_skipped
         self.labels = [row["label"] for row in data.rows]
         if len(self.examples) < 2:
@@ -137,11 +136,12 @@ class KTO(Method):
         s, z0 = self.settings, batch.z0
         r = ((logps - batch.ref_logps) * batch.loss_mask).sum(-1)  # [B]
         good = batch.desirable.bool()
+        # [B]
         loss = torch.where(
             good,
             s.desirable_weight * (1 - torch.sigmoid(s.beta * (r - z0))),
             s.undesirable_weight * (1 - torch.sigmoid(s.beta * (z0 - r))),
-        )  # [B]
+        )
         return -(loss * example_weights(batch)).sum() / Z
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:

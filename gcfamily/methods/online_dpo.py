@@ -26,9 +26,9 @@ from gcfamily.config import Config
 from gcfamily.data.batches import select
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
-from gcfamily.methods.services import Services
 from gcfamily.methods.dpo import DPO
 from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
+from gcfamily.methods.services import Services
 
 
 class OnlineDPO(DPO, OnPolicy):

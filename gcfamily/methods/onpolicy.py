@@ -24,8 +24,8 @@ import torch
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import GENERATED, Batch, Method, Stats
-from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
 from gcfamily.methods.services import Services
+from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
 from gcfamily.rollout import SamplingSettings, context_length
 
 
@@ -49,14 +49,12 @@ class OnPolicy(Method):
     def setup(self, services: Services) -> None:
         super().setup(services)
         cfg = self.cfg
-        data = self.load_data(
-            services
-        )  # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
+        # prompt-only or prompt-completion rows: their prompts' ids, and the rows for the rewards
+        data = self.load_data(services)
         self.rows, self.prompt_tokens, self.skipped = data.rows, data.examples, data.n_skipped
         ctx = context_length(services.policy())
-        if (
-            ctx is not None
-        ):  # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
+        # a prompt whose completion could run past the model's positions is skipped now, not refused mid-run
+        if ctx is not None:
             fits = [i for i, p in enumerate(self.prompt_tokens) if len(p) + cfg.max_new_tokens <= ctx]
             if cfg.long_prompts == "error" and len(fits) < len(self.prompt_tokens):
                 i = next(i for i in range(len(self.prompt_tokens)) if i not in set(fits))
@@ -91,9 +89,8 @@ class OnPolicy(Method):
         # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
-        ids = [
-            row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())
-        ]  # TRL's completion_ids: sampled tokens, EOS included
+        # TRL's completion_ids: sampled tokens, EOS included
+        ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]
         stopping = services.stop_requested  # SIGTERM/Ctrl-C: a running user reward is abandoned
         t0 = time.perf_counter()
         scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)

@@ -37,18 +37,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from gcfamily.models import lora
 from gcfamily.config import Config
+from gcfamily.config.rules import require
 from gcfamily.core.engine import build_optimizer, effective_mask, second_model_step
 from gcfamily.core.memory import module_mb
 from gcfamily.core.packing import backbone_hidden
-from gcfamily.config.rules import require
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.clipped import ClippedOnPolicy
 from gcfamily.methods.services import Services
-from gcfamily.models import load_model
-
+from gcfamily.models import load_model, lora
 
 # ----------------------------------------------------------------------------------
 # the critic and the advantage estimator, as plain functions and one module
@@ -73,9 +71,8 @@ class ValueModel(nn.Module):
         padding), and values before the first loss column of the batch are 0 (nothing reads them).
         """
         lm = loss_mask if loss_mask is not None else torch.ones_like(attention_mask)
-        hidden, S = backbone_hidden(
-            self.backbone, input_ids, attention_mask, lm, share_prefix=loss_mask is not None
-        )  # [B, L - S, H]
+        # [B, L - S, H]
+        hidden, S = backbone_hidden(self.backbone, input_ids, attention_mask, lm, share_prefix=loss_mask is not None)
         v = self.head(hidden[:, :-1].to(self.head.weight.dtype)).squeeze(-1)  # [B, L - S - 1]
         return torch.cat([v.new_zeros(v.shape[0], S + 1), v], dim=1)  # [B, L]
 
@@ -233,9 +230,8 @@ class PPO(ClippedOnPolicy):
         batch.values = self.critic_values(batch) * mask  # [N, L]
         batch.token_rewards = self.token_rewards(batch, old)  # [N, L]
         adv, batch.returns = gae(batch.token_rewards, batch.values, mask, self.settings.gamma, self.settings.lam)
-        batch.token_advantages = (
-            whiten(adv, valid, self.services.all_sum) if self.settings.whiten else adv * valid
-        )  # [N, L]
+        # [N, L]
+        batch.token_advantages = whiten(adv, valid, self.services.all_sum) if self.settings.whiten else adv * valid
         n = max(float(valid.sum()), 1.0)
         stats = {
             "ppo/explained_variance": explained_variance(batch.values, batch.returns, valid),
@@ -271,9 +267,8 @@ class PPO(ClippedOnPolicy):
         rewards = torch.zeros(N, L)
         rewards[torch.arange(N), last] = R
         if old_logps is not None and self.settings.kl_placement == "reward" and batch.ref_logps is not None:
-            rewards = (
-                rewards - self.settings.beta * self.kl_reward(batch.ref_logps, old_logps) * mask
-            )  # k1: InstructGPT's -beta log(pi/pi_ref)
+            # k1: InstructGPT's -beta log(pi/pi_ref)
+            rewards = rewards - self.settings.beta * self.kl_reward(batch.ref_logps, old_logps) * mask
         return rewards
 
     # -- the policy's rule: the shared clipped surrogate on GAE advantages ---------
@@ -308,6 +303,7 @@ class PPO(ClippedOnPolicy):
         # the critic's gradients are averaged over the ranks (DistEnv.average_method_grads, or FSDP2's reduce-scatter
         # when it is sharded), so dividing by the mean token count per rank gives sum / (tokens of the whole step)
         tokens = float(services.all_sum(torch.tensor([self.critic_tokens], dtype=torch.float64))) / services.world_size
+        # sharded: norms span the ranks
         status, norm = second_model_step(
             self.critic_optimizer,
             list(self.critic.parameters()),
@@ -315,7 +311,7 @@ class PPO(ClippedOnPolicy):
             self.cfg.grad_clip,
             services.all_finite,
             services.clip_grad_norm,
-        )  # sharded: norms span the ranks
+        )
         out: dict[str, float] = (
             {"ppo/critic_grad_norm": norm}
             if status == "stepped"

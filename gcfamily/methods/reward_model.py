@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from gcfamily.config import Config, planned_steps
-from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.core.engine import build_optimizer, lr_lambda, second_model_step
 from gcfamily.core.memory import module_mb
-from gcfamily.errors import GcfError
+from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.data.encoding import encode
+from gcfamily.data.preferences import preference_rows
+from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
-from gcfamily.data.preferences import preference_rows
 from gcfamily.rewards.model import RewardModel, bradley_terry_loss
 
 
@@ -95,9 +95,8 @@ class RewardModelTraining(Method):
 
     def data(self, step: int) -> tuple[Batch, Stats]:
         idx = epoch_indices(len(self.pairs), self.cfg.seed, step, self.cfg.batch_size)
-        batch: Batch = collate(
-            [(self.pairs[i][0], self.pairs[i][s]) for i in idx for s in (1, 2)], self.pad_id
-        )  # chosen 2k, rejected 2k+1
+        # chosen 2k, rejected 2k+1
+        batch: Batch = collate([(self.pairs[i][0], self.pairs[i][s]) for i in idx for s in (1, 2)], self.pad_id)
         return batch, {"skipped_long_prompts": float(self.skipped)}
 
     # -- the policy's coefficient: none ----------------------------------------------

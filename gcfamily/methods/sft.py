@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gcfamily.data.batches import collate_masked, default_pad_id
-from gcfamily.methods.base import Batch, Stats, Method
+from gcfamily.methods.base import Batch, Method, Stats
 from gcfamily.methods.services import Services
 
 
@@ -24,9 +24,8 @@ class SFT(Method):
 
     def setup(self, services: Services) -> None:
         super().setup(services)
-        data = self.load_data(
-            services
-        )  # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
+        # (ids, loss mask) per row: completions, or every assistant turn, or all of a text
+        data = self.load_data(services)
         self.examples, self.skipped = data.examples, data.n_skipped
         self.pad_id = default_pad_id(services.tokenizer)
 

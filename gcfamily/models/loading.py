@@ -48,9 +48,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
         )
-    except (
-        Exception
-    ) as e:  # a local folder's files are the user's input: whatever they make the loader raise is one sentence
+    # a local folder's files are the user's input: whatever they make the loader raise is one sentence
+    except Exception as e:
         if not local and not isinstance(e, (OSError, ValueError, ImportError)):
             raise
         if local:

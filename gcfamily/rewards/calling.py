@@ -79,9 +79,8 @@ def split_spec(spec: str) -> tuple[str, str]:
 def load_user_reward(spec: str, loaded: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The function a ``module:function`` or ``path/file.py:function`` spec names (``loaded``: see _import_file)."""
     module_name, attr = split_spec(spec)
-    if (
-        not module_name.endswith(".py") and Path(module_name).is_file()
-    ):  # rewards.txt:fn, my_reward:fn (a file, no suffix)
+    # rewards.txt:fn, my_reward:fn (a file, no suffix)
+    if not module_name.endswith(".py") and Path(module_name).is_file():
         raise GcfError(
             f"reward '{spec}' names the file '{module_name}', which is not a .py file; "
             "give a Python file as path/file.py:function (rename it to .py) or an importable module:function."

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gcfamily.data.batches import default_pad_id
 from gcfamily.core.engine import position_ids_from_mask
-from gcfamily.errors import GcfError
+from gcfamily.data.batches import default_pad_id
 from gcfamily.data.encoding import Formatter
+from gcfamily.errors import GcfError
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -192,9 +192,8 @@ class RewardModel(nn.Module):
         from gcfamily.rewards.verifiable import completion_text
 
         def reward_model(prompts: list, completions: list, **columns: Any) -> list[float]:
-            return self.score(
-                prompts, [completion_text(c) for c in completions], batch_size
-            )  # conversational: the message's text
+            # conversational: the message's text
+            return self.score(prompts, [completion_text(c) for c in completions], batch_size)
 
         return reward_model
 

@@ -125,9 +125,8 @@ class Scores:
     rewards: torch.Tensor  # [N] float32, sum_k w_k r_k where valid, 0 elsewhere
     valid: torch.Tensor  # [N] bool, every reward valid
     errors: list[str]  # one per invalid sample: its first failing reward's message
-    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )  # name -> (r_k [N], valid_k [N])
+    # name -> (r_k [N], valid_k [N])
+    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     failed_by: list[str] = field(default_factory=list)  # per invalid sample, the name of its first failing reward
     steps: Optional[list[list[tuple[int, float]]]] = None
     """Per sample, its weighted step rewards [(end, score), ...] sorted by end, where any reward scored steps; None when

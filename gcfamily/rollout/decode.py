@@ -54,9 +54,8 @@ class _SlotLayer(CacheLayerMixin):
         self.slot, self.slots = slot, slots
         self.is_initialized = True
 
-    def lazy_initialization(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:  # buffers come from the decoder
+    # buffers come from the decoder
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -201,9 +200,8 @@ class StaticDecoder:
             self.cache = Cache(layers=[_SlotLayer(self.slot, self.slots) for _ in layers])
         for kb, vb, layer in zip(self.keys, self.values, layers):
             kb.zero_(), vb.zero_()  # stale slots are masked; zeros keep a masked product exactly 0
-            kb[:N].view(n, G, *kb.shape[1:])[:, :, :, :P].copy_(
-                layer.keys[:, None]
-            )  # [n, G, H, P, D] <- [n, 1, H, P, D]
+            # [n, G, H, P, D] <- [n, 1, H, P, D]
+            kb[:N].view(n, G, *kb.shape[1:])[:, :, :, :P].copy_(layer.keys[:, None])
             vb[:N].view(n, G, *vb.shape[1:])[:, :, :, :P].copy_(layer.values[:, None])
         self.mask.zero_()
         self.mask[:N, 0, 0, :P] = prompt_mask.bool().repeat_interleave(G, 0)

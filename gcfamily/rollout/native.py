@@ -145,9 +145,8 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(eos[0]) if len(eos) else 0
     P = max(len(p) for p in prompt_ids)
     limit = context_length(model)
-    if (
-        limit is not None and P + C > limit
-    ):  # past it a position table is indexed out of range, or RoPE extrapolates unchecked
+    # past it a position table is indexed out of range, or RoPE extrapolates unchecked
+    if limit is not None and P + C > limit:
         raise GcfError(
             f"A prompt of {P} tokens plus max_new_tokens={C} needs {P + C} positions, past the model's context of {limit} "
             f"(max_position_embeddings); lower max_new_tokens or shorten the prompt (training skips prompts of max_length tokens or more)."
@@ -221,9 +220,8 @@ def _decode(
             )
             cache.batch_repeat_interleave(n)
             rest, rest_mask = _left_pad([p[c:] for p in prompt_ids], pad_id, device)  # [n, P - c]
-            kv_mask = torch.cat(
-                [rest_mask.new_ones(n, c), rest_mask], 1
-            )  # [n, P]: the KV columns, prefix then left-padded rests
+            # [n, P]: the KV columns, prefix then left-padded rests
+            kv_mask = torch.cat([rest_mask.new_ones(n, c), rest_mask], 1)
             pos = c + (rest_mask.cumsum(-1) - 1).clamp(min=0)  # [n, P - c]: the same positions as in the whole prompt
             logits = step(rest, kv_mask, pos)
         else:
@@ -334,13 +332,14 @@ def _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, 
     texts = tokenizer.batch_decode(
         [row[:l] for row, l in zip(comp.tolist(), lengths.tolist())], skip_special_tokens=True
     )
+    # [N, P + C]
     return Rollout(
         input_ids=torch.cat([prompt, comp], 1),  # [N, P + C]
         attention_mask=torch.cat([prompt_mask, valid.long()], 1),  # [N, P + C]
         completion_mask=torch.cat([torch.zeros_like(prompt_mask), valid.long()], 1),  # [N, P + C]
         sample_logps=torch.cat(
             [torch.zeros_like(prompt, dtype=torch.float32), logps[:, :C].masked_fill(~valid, 0.0)], 1
-        ),  # [N, P + C]
+        ),
         truncated=~ended,
         completion_lengths=lengths,
         completions=[x[:e] if (e := _first_stop(x, stops)) >= 0 else x for x in texts],

@@ -38,13 +38,14 @@ from torch import nn
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
 
+# each rank holds a share: add them
 SUM_METRICS = (
     "loss",
     "tokens",
     "tokens/generated",
     "train_tokens_per_s",
     "reward/failed",
-)  # each rank holds a share: add them
+)
 MAX_PREFIXES = ("time/", "peak_memory_mb")  # the slowest / largest rank is the one that matters
 
 
@@ -62,9 +63,8 @@ def check_batch_size(batch_size: int, world_size: int) -> None:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: the classes HF lists in `_no_split_modules`."""
-    names = {
-        n for sub in model.modules() for n in (getattr(sub, "_no_split_modules", None) or [])
-    }  # a critic holds a backbone
+    # a critic holds a backbone
+    names = {n for sub in model.modules() for n in (getattr(sub, "_no_split_modules", None) or [])}
     layers = [m for m in model.modules() if type(m).__name__ in names]
     return layers or (list(getattr(model.get_decoder(), "layers", [])) if hasattr(model, "get_decoder") else [])
 
@@ -173,9 +173,8 @@ class DistEnv:
 
         mesh, mp = self._mesh_and_precision()
         old = dict(module.named_parameters())
-        for layer in decoder_layers(
-            module
-        ):  # every group frees its parameters after forward: the critic is called whole
+        # every group frees its parameters after forward: the critic is called whole
+        for layer in decoder_layers(module):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         new = dict(module.named_parameters())
@@ -248,9 +247,8 @@ class DistEnv:
         finally:
             for m in mods:
                 m.reshard()
-                m.set_reshard_after_forward(
-                    m is not model, recurse=False
-                )  # layers free after forward; the root keeps its params for backward
+                # layers free after forward; the root keeps its params for backward
+                m.set_reshard_after_forward(m is not model, recurse=False)
 
     # -- the step ------------------------------------------------------------------------
     def all_finite(self, loss: float, params: list[nn.Parameter]) -> bool:

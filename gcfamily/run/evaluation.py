@@ -78,9 +78,8 @@ class Evaluation:
         return train[len(train) - self.cfg.validation_rows :]
 
     def _load_task(self) -> Any:
-        if (
-            self.cfg.task is None or self.dataset is not None
-        ):  # a dataset replaces the task: its accuracy is never reported
+        # a dataset replaces the task: its accuracy is never reported
+        if self.cfg.task is None or self.dataset is not None:
             return None
         from gcfamily.tasks import get_task
 
@@ -161,9 +160,8 @@ class Evaluation:
             if self.scores_completions(method):
                 from gcfamily.data.encoding import encode
 
-                encode(
-                    "prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation"
-                )  # its format, now rather than after training
+                # its format, now rather than after training
+                encode("prompts", self.eval_rows(), self.formatter, 1 << 30, "skip", "evaluation")
                 self.eval_reward(method)
 
     def scores_completions(self, method: Any) -> bool:

@@ -76,9 +76,8 @@ class RunServices(LocalServices):
 
     def logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float = 1.0) -> torch.Tensor:
         t, cfg = self._trainer, self._trainer.cfg
-        model = (
-            t.dist.logprob_module(model) if t.dist is not None else model
-        )  # an FSDP2-sharded model runs through its root
+        # an FSDP2-sharded model runs through its root
+        model = t.dist.logprob_module(model) if t.dist is not None else model
         with t.autocast():
             return engine.batch_logprobs(
                 model, batch, temperature, cfg.micro_batch_size, cfg.chunk_size, cfg.share_prefix, t.device
@@ -90,9 +89,8 @@ class RunServices(LocalServices):
         was_training = policy.training
         policy.eval()
         try:
-            with (
-                t.dist.full_parameters(t.policy) if t.dist is not None else contextlib.nullcontext()
-            ):  # FSDP2: gathered, then freed
+            # FSDP2: gathered, then freed
+            with t.dist.full_parameters(t.policy) if t.dist is not None else contextlib.nullcontext():
                 return generate(policy, t.tokenizer, prompt_ids, group_size, sampling, t.generator)
         finally:
             policy.train(was_training)

@@ -62,9 +62,8 @@ def backward(
     # CPU copies of the ids and masks, read back once a step and split with the batch: each micro-batch's packing layout
     # and loss-token indices are worked out from them, so nothing in the loop below waits on the device
     mbs = split_batch(batch, cfg.micro_batch_size, m.rows_per_example)
-    hosts = split_batch(
-        host_copy(batch), cfg.micro_batch_size, m.rows_per_example
-    )  # the same cuts: trim reads the same mask
+    # the same cuts: trim reads the same mask
+    hosts = split_batch(host_copy(batch), cfg.micro_batch_size, m.rows_per_example)
     Z = engine.normaliser(mbs, m.norm, cfg.norm_constant)
     scale = dist.world_size if dist is not None else 1  # DDP averages; Z is already global
     done = []  # per micro-batch, what its metrics need; read after every backward is queued (no host sync in between)

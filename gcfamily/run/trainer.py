@@ -88,9 +88,8 @@ class Trainer:
         """Everything that can fail, with the folder locked but unchanged: models, the method's data, the optimizer, a
         resumed state, the logger; then the folder's commit (run_config.json is written only once all of it passed)."""
         cfg, dist_env = self.cfg, self.dist
-        self.threads = build.choose_threads(
-            cfg, dist_env
-        )  # before any model work; a resume may take its recorded count
+        # before any model work; a resume may take its recorded count
+        self.threads = build.choose_threads(cfg, dist_env)
         self._first_row = {"threads": self.threads.count}  # logged with the first row this start writes
         # forwards compute in precision.compute; parameters, gradients and AdamW live in precision.master
         self.precision = precision.resolve(cfg.dtype, cfg.master_dtype, self.device)
@@ -275,9 +274,8 @@ class Trainer:
                 self.cadence(metrics, bar)
                 evaluated = bool(cfg.eval_every) and self.step % cfg.eval_every == 0  # the end needs no second one
             step.refuse_untrained(self.step, self.trained_steps, self.first_bad_step)
-            if (
-                cfg.eval_at_ends and not evaluated
-            ):  # max_steps=0: the evaluation before is the one after; so is the last step's
+            # max_steps=0: the evaluation before is the one after; so is the last step's
+            if cfg.eval_at_ends and not evaluated:
                 self._log(self.step, self.evaluate())
             self.finish()
         return self.out_dir
@@ -317,9 +315,8 @@ class Trainer:
         # the budget counts reduced figures (all ranks' tokens, the slowest rank's time): every rank stops at the same step
         before_s = self.budget.spend(metrics, self.n_params)
         metrics.update(self.budget.row())
-        if self._time_to_evaluate(before_s) and not any(
-            k.startswith("eval/") for k in metrics
-        ):  # the reduced clock: every rank agrees
+        # the reduced clock: every rank agrees
+        if self._time_to_evaluate(before_s) and not any(k.startswith("eval/") for k in metrics):
             metrics.update(self.evaluate())
         return metrics
 

@@ -233,7 +233,10 @@ class ChainedTask(Task):
             )
         check_fraction(test_fraction)
         self.steps, self.max_operand = steps, max_operand
-        make = lambda rng: _make_problem(rng, steps, max_operand)
+
+        def make(rng):
+            return _make_problem(rng, steps, max_operand)
+
         # The generator's seed depends on the options only, so every training seed sees one problem set.
         problems = generate_problems(make, _key, size, f"chained/{steps}/{max_operand}")
         self._splits = hash_split(problems, _key, _row, test_fraction, self.name, seed)

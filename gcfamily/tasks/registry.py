@@ -41,10 +41,11 @@ def get_task(name: str, seed: int = 0, **options: Any) -> Task:
         raise GcfError(f"task '{name}' has no option {listed}; its options are {', '.join(known)}.")
     try:
         return TASKS[name](seed=seed, **options)
+    # an option of the wrong type ("3" for a number) fails inside the task's checks
     except (
         TypeError,
         ValueError,
-    ) as e:  # an option of the wrong type ("3" for a number) fails inside the task's checks
+    ) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in options.items())
         raise GcfError(
             f"task '{name}' cannot take the options {given} ({e}); give numbers as numbers, e.g. {{min_len: 2}}."

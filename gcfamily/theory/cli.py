@@ -96,11 +96,10 @@ def theory(
     seed: int,
 ) -> None:
     """Train bandit policies with a method and compare them with the predicted stationary policies."""
+    from gcfamily.methods import method_label
+    from gcfamily.methods.theory_variants import VARIANT_METHODS, prediction_for
     from gcfamily.theory.bandit import BanditProblem
     from gcfamily.theory.train import bandit_config, predicted_policy, train_bandit
-    from gcfamily.methods.theory_variants import VARIANT_METHODS, prediction_for
-
-    from gcfamily.methods import method_label
 
     method = method or VARIANT_METHODS[variant or "grpo"]
     pred = prediction_for(method, variant)  # a method of your own is compared with --variant's prediction
@@ -113,7 +112,7 @@ def theory(
         raise GcfError("--groups and --steps must be >= 1.")
     problem = BanditProblem.binary(_floats(p_ref, "p-ref"), r, bernoulli)
     betas = sorted({beta, *_floats(plot_betas, "plot-betas")})
-    cfg = bandit_config(method, G, beta, std)  # checks G, beta and std before any work
+    bandit_config(method, G, beta, std)  # checks G, beta and std before any work
     if any(b <= 0 for b in betas):
         raise GcfError(f"--plot-betas must all be > 0 (got {plot_betas!r}).")
     mode = "exact expected gradients" if exact else f"{groups} sampled groups per prompt per step"
@@ -170,8 +169,8 @@ def _curve(
     variant: Optional[str] = None,
 ) -> np.ndarray:
     """Predicted stationary pi(a) over a grid of pi_ref(a); NaN where no stationary point is found."""
-    from gcfamily.theory import predictions
     from gcfamily.methods.theory_variants import prediction_for
+    from gcfamily.theory import predictions
 
     pred = prediction_for(method, variant)
     s = pred.adv_scale(G) if G is not None else 1.0

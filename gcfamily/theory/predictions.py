@@ -57,9 +57,10 @@ def _advantage(dev: Array, var: Array, tie: Array, std: str, G: int | None) -> A
 @lru_cache(maxsize=None)
 def _multisets(K: int, n: int) -> tuple[Array, Array]:
     """Count vectors of all multisets of n outputs out of K, and their multinomial coefficients."""
+    # [M, K]
     counts = np.array(
         [np.bincount(c, minlength=K) for c in itertools.combinations_with_replacement(range(K), n)], dtype=float
-    )  # [M, K]
+    )
     log_fact = np.array([math.lgamma(c + 1) for c in range(n + 1)])  # log c!
     log_coef = log_fact[n] - log_fact[counts.astype(int)].sum(axis=1)
     return counts, np.exp(log_coef)  # [M, K], [M]

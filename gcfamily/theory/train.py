@@ -23,18 +23,18 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from gcfamily.core import engine
+from gcfamily.check.world import StubFormatter
 from gcfamily.config import Config
+from gcfamily.core import engine
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
-from gcfamily.check.world import StubFormatter
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.services import LocalServices
+from gcfamily.methods.theory_variants import prediction_for
 from gcfamily.models import load_reference
 from gcfamily.theory import predictions
 from gcfamily.theory.bandit import BanditLM, BanditProblem, GroupEnumeration, make_batch, sample_groups
 from gcfamily.theory.steps import CurvatureStep
-from gcfamily.methods.theory_variants import prediction_for
 
 
 class BanditRunner(LocalServices):
