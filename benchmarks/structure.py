@@ -1,5 +1,6 @@
-"""The package's shape, measured: top-level modules, import circles, upward imports (against the layer table in
-tests/test_layers.py), calls between files in one GRPO step on the tiny model, and the length of the loop.
+"""The package's shape, measured: modules, top-level modules, import circles, upward imports (against the layer table
+in tests/test_layers.py), calls between files in one GRPO step on the tiny model, the length of the loop, the largest
+file and function, files past the house's 400 lines and package faces that implement.
 
     python benchmarks/structure.py
 
@@ -88,6 +89,28 @@ def calls_in_one_grpo_step() -> tuple[int, int]:
     return sum(counts.values()), len(files)
 
 
+def sizes() -> tuple[list[tuple[int, str]], tuple[int, str], list[str]]:
+    """(files by length, longest first; the longest function or method and where; package faces that implement)."""
+    import ast
+
+    files, longest, faces = [], (0, ""), []
+    for p in sorted(PKG.rglob("*.py")):
+        text = p.read_text()
+        rel = str(p.relative_to(ROOT))
+        files.append((len(text.splitlines()), rel))
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                longest = max(longest, (n, f"{rel}:{node.name}"))
+        if p.name == "__init__.py" and p.parent != PKG:
+            doc = (ast.Expr, ast.Import, ast.ImportFrom)
+            names = (ast.Assign, ast.AnnAssign)
+            if any(not isinstance(n, doc + names) for n in tree.body):
+                faces.append(f"{rel} ({len(text.splitlines())} lines)")
+    return sorted(files, reverse=True), longest, faces
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_layers import circles, imports, layer_of, modules  # the layer table and the walk live beside their test
@@ -105,6 +128,13 @@ def main() -> None:
     print(f"calls between files in one GRPO step: {n} across {f} files")
     src = inspect.getsource(_module("gcfamily.run.trainer").Trainer.run)
     print(f"Trainer.run: {len(src.splitlines())} lines")
+    files, (fn_len, fn), faces = sizes()
+    over = [f"{r} ({n})" for n, r in files if n > 400]
+    print(
+        f"modules: {len(files)}; largest file: {files[0][1]} ({files[0][0]} lines); largest function: {fn} ({fn_len} lines)"
+    )
+    print(f"files over 400 lines: {len(over)}" + "".join(f"\n  {x}" for x in over))
+    print(f"package faces that implement: {len(faces)}" + "".join(f"\n  {x}" for x in faces))
 
 
 if __name__ == "__main__":

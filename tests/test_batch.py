@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gcfamily.core.batch import DECLARED, ROLES, ROW, STEP, TOKEN, Batch
-from gcfamily.data.batches import concat, select, split_batch, to_device, trim
+from gcfamily.core.batch import DECLARED, ROLES, ROW, STEP, TOKEN, Batch, concat, select, to_device, trim
+from gcfamily.data.batches import split_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ import torch
 from gcfamily import check
 from gcfamily.check.world import Collective
 from gcfamily.core import engine, logprobs
-from gcfamily.data.batches import select
+from gcfamily.core.batch import select
 from gcfamily.methods import get_method, ppo
 from gcfamily.methods.dpo import DPO
 from gcfamily.methods.grpo import GRPO

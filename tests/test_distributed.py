@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gcfamily.config import Config
-from gcfamily.data.batches import collate, select
+from gcfamily.core.batch import select
+from gcfamily.data.batches import collate
 from gcfamily.errors import GcfError
 
 ROOT = Path(__file__).resolve().parents[1]

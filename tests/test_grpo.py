@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from gcfamily.cli import main
 from gcfamily.config import Config
 from gcfamily.core import engine
-from gcfamily.core.batch import TOKEN, Batch
-from gcfamily.data.batches import concat, split_batch
+from gcfamily.core.batch import TOKEN, Batch, concat
+from gcfamily.data.batches import split_batch
 from gcfamily.methods import get_method
 from gcfamily.methods.grpo import GRPO
 from gcfamily.methods.grpo_variants import DAPO, RLOO, DrGRPO

@@ -14,8 +14,7 @@ from conftest import assert_engine_grad_matches_objective, metrics_rows
 
 from gcfamily.config import Config
 from gcfamily.core import engine
-from gcfamily.core.batch import TOKEN, Batch
-from gcfamily.data.batches import select
+from gcfamily.core.batch import TOKEN, Batch, select
 from gcfamily.errors import GcfError
 from gcfamily.methods.grpo import GRPO
 from gcfamily.methods.gspo import GSPO

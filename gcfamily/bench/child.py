@@ -2,12 +2,15 @@
 
     python -m gcfamily.bench.child OUT/METHOD/bench_spec.json      # what gcfamily/bench/suite.py launches
 
-- the GC distribution (GCRecorder): the method's `coefficient` wrapped, the GC of every loss token of the effective
-  mask kept (a random subsample past 200,000);
+- the GC distribution (GCRecorder, the run's `on_coefficients` hook): the GC of every loss token of the effective mask
+  kept (a random subsample past 200,000);
 - KL to the reference, the same way for every method (kl_to_reference);
 - pass@k and maj@k (majority vote, where the task reads answers) from the same k sampled completions per held-out
   prompt, beside the greedy accuracy;
-- the evaluation before the first step taken from an earlier run with the same start (reuse_start_evaluation).
+- the evaluation before the first step taken from an earlier run with the same start (start_evaluation_of, given to
+  the run as its `start_evaluation` hook).
+
+The run is configured with these hooks (gcfamily/run/hooks.py); nothing of the trainer or the method is patched.
 """
 
 from __future__ import annotations
@@ -17,34 +20,29 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
+
+if TYPE_CHECKING:
+    from gcfamily.run.hooks import StartEvaluation
 
 GC_KEEP = 200_000
 
 
 class GCRecorder:
-    """Wraps a method's `coefficient` and keeps the GC of every loss token, per step."""
+    """Keeps the GC of every loss token, per step: the run's `on_coefficients` hook."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self) -> None:
         import torch
 
-        from gcfamily.core.engine import effective_mask
-
-        self.trainer, self.values, self.per_step, self.n = trainer, [], {}, 0
+        self.values, self.per_step, self.n = [], {}, 0
         self.gen = torch.Generator().manual_seed(0)
-        method = trainer.method
-        inner = method.coefficient
 
-        def recording(batch: dict, logps: torch.Tensor) -> torch.Tensor:
-            coef = inner(batch, logps)
-            v = coef.detach()[effective_mask(batch).bool()].float().cpu()
-            self.per_step.setdefault(trainer.step + 1, []).append(v)
-            return coef
-
-        method.coefficient = recording
+    def __call__(self, step: int, parts: list) -> None:
+        for coef, mask in parts:  # per micro-batch: GC [b, L] and the effective mask [b, L]
+            self.per_step.setdefault(step, []).append(coef[mask.bool()].float().cpu())
 
     def summary(self) -> dict[str, Any]:
         """Per-step quantiles, overall quantiles and a 40-bin histogram of the recorded GC values."""
@@ -138,12 +136,13 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     return float((torch.expm1(d) - d).mean()) if d.numel() else None
 
 
-def reuse_start_evaluation(trainer: Any, source: Path, last: bool = False) -> bool:
-    """Take the evaluation before the first step from `source`, a run of the same suite that starts from the same policy and
+def start_evaluation_of(source: Path, last: bool = False) -> Optional[StartEvaluation]:
+    """The evaluation before the first step, from `source`, a run of the same suite that starts from the same policy and
     evaluates the same prompts the same way (the parent's `start_key`), instead of computing it again: greedy decoding
     of the same model on the same prompts gives the same answers. With `last`, source is the run that trained this run's
-    starting model (the unified suite's stage 1) and its final evaluation is the one taken, as step 0. False (and the run
+    starting model (the unified suite's stage 1) and its final evaluation is the one taken, as step 0. None (and the run
     evaluates itself) when source has none."""
+    from gcfamily.run.hooks import StartEvaluation
     from gcfamily.run.logger import read_metrics
 
     try:
@@ -155,20 +154,8 @@ def reuse_start_evaluation(trainer: Any, source: Path, last: bool = False) -> bo
         if step != 0:
             details = json.dumps({**json.loads(details), "step": 0})
     except (OSError, ValueError, KeyError, IndexError, StopIteration):
-        return False
-    own = trainer.evaluate
-
-    def evaluate() -> dict[str, float]:
-        if trainer.step != 0:
-            return own()
-        if trainer.is_main:
-            from gcfamily.run.folder.writes import append_lines
-
-            append_lines(trainer.out_dir / "eval_details.jsonl", [details], run_dir=trainer.out_dir)
-        return dict(figures)
-
-    trainer.evaluate = evaluate
-    return True
+        return None
+    return StartEvaluation(figures, details)
 
 
 def _measure(trainer: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +201,7 @@ def child(spec_path: str) -> None:
 
     from gcfamily.core import onednn, threads
     from gcfamily.methods import resolve
+    from gcfamily.run.hooks import RunHooks
     from gcfamily.run.trainer import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
@@ -221,13 +209,10 @@ def child(spec_path: str) -> None:
     busy = threads.busy_cores()  # how busy the machine was as this run started, kept beside its timings
     if "threads" not in spec["settings"]:  # the bench's own count (the OMP_NUM_THREADS it set, or torch's default)
         cfg.threads = torch.get_num_threads()
-    trainer = Trainer(cfg)
-    recorder = GCRecorder(trainer)
-    reused = (
-        reuse_start_evaluation(trainer, Path(spec["start_eval_from"]), bool(spec.get("start_eval_last")))
-        if spec.get("start_eval_from")
-        else False
-    )
+    recorder = GCRecorder()
+    source = spec.get("start_eval_from")
+    reused = start_evaluation_of(Path(source), bool(spec.get("start_eval_last"))) if source else None
+    trainer = Trainer(cfg, hooks=RunHooks(on_coefficients=recorder, start_evaluation=reused))
     t0 = time.perf_counter()
     trainer.run()
     run_s = time.perf_counter() - t0
@@ -238,7 +223,7 @@ def child(spec_path: str) -> None:
             "gc": recorder.summary(),
             "run_s": run_s,
             "steps": trainer.step,
-            "start_eval_from": spec.get("start_eval_from") if reused else None,
+            "start_eval_from": source if reused is not None else None,
             "params": sum(p.numel() for p in trainer.unwrapped_policy().parameters()),
             "threads": trainer.threads.count,
             "busy_cores_at_start": None if busy is None else round(busy, 3),

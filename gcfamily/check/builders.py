@@ -39,7 +39,7 @@ from gcfamily.check.world import (
     World,
     make,
 )
-from gcfamily.data.batches import select
+from gcfamily.core.batch import select
 from gcfamily.methods.base import TOKEN, Batch, Method
 
 

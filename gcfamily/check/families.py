@@ -354,7 +354,7 @@ def textbook_choices(cls: type[Method]) -> tuple[dict | None, str]:
 def cases(cls: type[Method]) -> list[tuple[str, dict]]:
     """The cases a method is checked at: its defaults, then settings that reach every branch (only the keys it has)."""
     fam = family_of(cls)
-    if not getattr(cls, "trains_policy", True):
+    if not cls.trains_policy:
         return [("defaults", {})]
     if fam is None:
         raise GcfError(unsupported(cls))

@@ -13,7 +13,7 @@ from gcfamily.check.outcome import Outcome, _diff, _nonfinite, _worse
 from gcfamily.check.second import SecondCheck, policyless_check
 from gcfamily.check.world import TOL_A, TOL_B, G, N, V, World, make, micro_batches
 from gcfamily.core import engine, logprobs
-from gcfamily.data.batches import concat
+from gcfamily.core.batch import concat
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 
@@ -189,7 +189,7 @@ def check_no_policy(cls: type[Method], out: Outcome, seeds: tuple[int, ...] = (0
 def run_case(cls: type[Method], label: str, settings: dict, seeds: tuple[int, ...] = (0, 1)) -> Outcome:
     """Checks (a) and (b) of one settings case on each seed's batch; branches are counted over the seeds."""
     out = Outcome(label, settings)
-    if not getattr(cls, "trains_policy", True):
+    if not cls.trains_policy:
         check_no_policy(cls, out, seeds)
         return out
     if family_of(cls) is None:

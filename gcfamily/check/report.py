@@ -26,7 +26,7 @@ def report(spec: str, cls: type[Method], outcomes: list[Outcome]) -> tuple[str, 
     fam = family_of(cls)
     lines = [f"gcf check {spec}: {cls.__qualname__} from {_source(cls)}"]
     why = ""
-    if fam is None or not getattr(cls, "trains_policy", True):
+    if fam is None or not cls.trains_policy:
         lines.append("trains no policy: its coefficient must be 0 and its objective constant in the policy")
     else:
         tb, why = textbook_for(cls)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gcfamily.config import Config
-from gcfamily.data.batches import select
+from gcfamily.core.batch import select
 from gcfamily.methods.base import Batch, Method
 from gcfamily.methods.services import LocalServices
 

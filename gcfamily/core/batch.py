@@ -6,7 +6,8 @@ A field's role says how micro-batches, ranks and minibatches cut it (data/batche
     ROW    [B, ...] tensor, or a list of B items: cut by rows
     STEP   a constant of the step (a number, a nested batch): kept whole in every part
 
-The built-in methods' fields are declared below, grouped by who fills them: the data source (`Method.data`), then
+`select`, `trim`, `to_device` and `concat` (below) cut and join batches by those roles. The built-in methods' fields
+are declared below, grouped by who fills them: the data source (`Method.data`), then
 `Method.prepare`. A field a method does not use stays None. A user's rule keeps fields of its own in `own`, each put
 with its role (`batch.put("bonus", tensor, ROW)`) and read back as `batch.own["bonus"]`.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -110,14 +111,10 @@ class Batch:
         self.own[name], self.own_roles[name] = value, role
         return self
 
-    def items(self) -> Iterator[tuple[str, Any, str]]:
+    def items(self) -> list[tuple[str, Any, str]]:
         """(name, value, role) of every field that is set, declared then own."""
-        for name, role in DECLARED.items():
-            value = getattr(self, name)
-            if value is not None:
-                yield name, value, role
-        for name, value in self.own.items():
-            yield name, value, self.own_roles[name]
+        declared = [(name, getattr(self, name), role) for name, role in DECLARED.items()]
+        return [f for f in declared if f[1] is not None] + [(k, v, self.own_roles[k]) for k, v in self.own.items()]
 
     def replaced(self, **values: Any) -> "Batch":
         """A new batch with these fields (declared, or own ones already put) replaced; the rest shared with this one."""
@@ -157,3 +154,62 @@ DECLARED: dict[str, str] = {
     f.name: f.metadata["role"] for f in dataclasses.fields(Batch) if f.metadata["role"] != "own"
 }
 """Every declared field's role, by name."""
+
+
+# -- cutting a batch by its fields' roles (micro-batches, ranks, minibatches) ------------------
+
+
+def select(batch: Batch, idx: slice | torch.Tensor | list[int]) -> Batch:
+    """Rows idx of a batch, by each field's declared role (core/batch.py): TOKEN and ROW fields are indexed, STEP
+    fields kept. A TOKEN or ROW field of another length than input_ids is a bug in whoever built the batch, refused
+    here rather than passed on."""
+    B = batch.rows
+    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+    out: dict[str, Any] = {}
+    for k, v, role in batch.items():
+        if role == STEP:
+            continue
+        if len(v) != B:
+            raise ValueError(f"batch field {k!r} ({role}) has {len(v)} rows, not the batch's {B}")
+        out[k] = v[idx] if isinstance(v, torch.Tensor) or isinstance(idx, slice) else [v[i] for i in rows]
+    return batch.replaced(**out)
+
+
+def trim(batch: Batch) -> Batch:
+    """Drop columns that are padding in every row (left and right), in every TOKEN field."""
+    am = batch.attention_mask
+    L = am.shape[1]
+    cols = am.any(0).nonzero()
+    if cols.numel() == 0:
+        return batch
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    if lo == 0 and hi == L:
+        return batch
+    return batch.replaced(**{k: v[:, lo:hi] for k, v, role in batch.items() if role == TOKEN})
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """Move every TOKEN and ROW tensor of a batch."""
+    return batch.replaced(
+        **{
+            k: v.to(device, non_blocking=True)
+            for k, v, role in batch.items()
+            if role in (TOKEN, ROW) and isinstance(v, torch.Tensor)
+        }
+    )
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """Rows of several batches of equal width, one after another (STEP fields from the first)."""
+    first = batches[0]
+    out: dict[str, Any] = {}
+    for k, v, role in first.items():
+        if role == STEP:
+            continue
+        parts = [_get(b, k) for b in batches]
+        out[k] = torch.cat(parts) if isinstance(v, torch.Tensor) else [x for p in parts for x in p]
+    return first.replaced(**out)
+
+
+def _get(batch: Batch, name: str) -> Any:
+    return batch.own[name] if name in batch.own else getattr(batch, name)

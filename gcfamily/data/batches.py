@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from gcfamily.core.batch import ROW, STEP, TOKEN, Batch
+from gcfamily.core.batch import Batch, select, trim
 
 
 def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
@@ -58,62 +58,6 @@ def split_batch(batch: Batch, size: int, rows_per_example: int = 1) -> list[Batc
     B = batch.rows
     size = max(rows_per_example, size - size % rows_per_example)
     return [trim(select(batch, slice(s, min(s + size, B)))) for s in range(0, B, size)]
-
-
-def select(batch: Batch, idx: slice | torch.Tensor | list[int]) -> Batch:
-    """Rows idx of a batch, by each field's declared role (core/batch.py): TOKEN and ROW fields are indexed, STEP
-    fields kept. A TOKEN or ROW field of another length than input_ids is a bug in whoever built the batch, refused
-    here rather than passed on."""
-    B = batch.rows
-    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
-    out: dict[str, Any] = {}
-    for k, v, role in batch.items():
-        if role == STEP:
-            continue
-        if len(v) != B:
-            raise ValueError(f"batch field {k!r} ({role}) has {len(v)} rows, not the batch's {B}")
-        out[k] = v[idx] if isinstance(v, torch.Tensor) or isinstance(idx, slice) else [v[i] for i in rows]
-    return batch.replaced(**out)
-
-
-def trim(batch: Batch) -> Batch:
-    """Drop columns that are padding in every row (left and right), in every TOKEN field."""
-    am = batch.attention_mask
-    L = am.shape[1]
-    cols = am.any(0).nonzero()
-    if cols.numel() == 0:
-        return batch
-    lo, hi = int(cols[0]), int(cols[-1]) + 1
-    if lo == 0 and hi == L:
-        return batch
-    return batch.replaced(**{k: v[:, lo:hi] for k, v, role in batch.items() if role == TOKEN})
-
-
-def to_device(batch: Batch, device: torch.device | str) -> Batch:
-    """Move every TOKEN and ROW tensor of a batch."""
-    return batch.replaced(
-        **{
-            k: v.to(device, non_blocking=True)
-            for k, v, role in batch.items()
-            if role in (TOKEN, ROW) and isinstance(v, torch.Tensor)
-        }
-    )
-
-
-def concat(batches: Sequence[Batch]) -> Batch:
-    """Rows of several batches of equal width, one after another (STEP fields from the first)."""
-    first = batches[0]
-    out: dict[str, Any] = {}
-    for k, v, role in first.items():
-        if role == STEP:
-            continue
-        parts = [_get(b, k) for b in batches]
-        out[k] = torch.cat(parts) if isinstance(v, torch.Tensor) else [x for p in parts for x in p]
-    return first.replaced(**out)
-
-
-def _get(batch: Batch, name: str) -> Any:
-    return batch.own[name] if name in batch.own else getattr(batch, name)
 
 
 def default_pad_id(tokenizer: Any) -> int:

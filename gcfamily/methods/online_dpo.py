@@ -23,7 +23,7 @@ import torch
 from einops import rearrange, repeat
 
 from gcfamily.config import Config
-from gcfamily.data.batches import select
+from gcfamily.core.batch import select
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.dpo import DPO

@@ -19,10 +19,11 @@ import torch
 
 from gcfamily.config import Config
 from gcfamily.core import engine
+from gcfamily.core.batch import to_device
 from gcfamily.core.engine import gc_stats
 from gcfamily.core.memory import release_free_heap
 from gcfamily.core.precision import Precision
-from gcfamily.data.batches import split_batch, to_device
+from gcfamily.data.batches import split_batch
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method
 from gcfamily.run import checkpoint_format

@@ -17,8 +17,9 @@ import torch
 
 from gcfamily.config import Config, planned_steps, resolve_settings, to_dict, validate
 from gcfamily.core import engine, onednn, precision, threads
+from gcfamily.core.batch import select
 from gcfamily.core.memory import peak_memory_mb
-from gcfamily.data.batches import select, split_batch
+from gcfamily.data.batches import split_batch
 from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
 from gcfamily.methods import get_method
 from gcfamily.methods.base import GENERATED, Batch, Method
@@ -29,6 +30,7 @@ from gcfamily.run.distributed import DistEnv
 from gcfamily.run.evaluation import Evaluation
 from gcfamily.run.folder import RunFolder
 from gcfamily.run.folder.writes import resume_hint
+from gcfamily.run.hooks import RunHooks
 from gcfamily.run.logger import RunLogger
 from gcfamily.run.saving import Saving
 from gcfamily.run.services import RunServices
@@ -51,15 +53,18 @@ class Trainer:
         dataset: Any = None,
         eval_dataset: Any = None,
         rewards: list | None = None,
+        hooks: RunHooks | None = None,
     ) -> None:
         """Objects from Python (gcfamily.api.train) ride beside cfg: a Method class, a (model, tokenizer) pair,
-        a Dataset or list of rows, reward functions; cfg then records their names."""
+        a Dataset or list of rows, reward functions; cfg then records their names. `hooks`: what the caller configures
+        the run to hand out or take in (gcfamily/run/hooks.py)."""
         validate(cfg)
         self.cfg = cfg
         self.method_cls = method if method is not None else get_method(cfg.method)
         self.dataset = dataset if dataset is not None else cfg.dataset
         self.eval_dataset = eval_dataset if eval_dataset is not None else cfg.eval_dataset
         self.rewards = rewards  # None: cfg.reward
+        self.hooks = hooks or RunHooks()
         resolve_settings(cfg, self.method_cls)  # the method's own settings, typed; an unknown key is one sentence
         self.method_cls.apply_setting_defaults(cfg)
         self.method_cls.validate(cfg)
@@ -173,6 +178,8 @@ class Trainer:
         """The held-out figures of the policy now (Evaluation.evaluate); the console says when one starts and what it
         found, since greedy decoding of the held-out prompts can take minutes with the progress bar standing still."""
         cfg = self.cfg
+        if self.step == 0 and self.hooks.start_evaluation is not None:
+            return self.hooks.record_start_evaluation(self.out_dir, self.is_main)
         say = (
             self.is_main
             and cfg.progress
@@ -210,6 +217,8 @@ class Trainer:
         done = step.backward(self.policy, m, batch, cfg, self.device, self.precision, self.dist)
         loss_total = step.total_loss(done)  # the step's first host sync
         metrics, n_tok = step.metrics(done, m)
+        if self.hooks.on_coefficients is not None:
+            self.hooks.on_coefficients(self.step + 1, [(d.coef, engine.effective_mask(d.mb)) for d in done])
         if self.dist is not None:
             self.dist.average_method_grads(m)  # a second model the method trains stays equal on every rank
         metrics.update(m.auxiliary_step_end())  # a second model (PPO's critic) steps once per optimizer step
