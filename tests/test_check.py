@@ -1,4 +1,4 @@
-"""`gcf check SPEC`: the exactness checks of gcfamily/check/__init__.py on a name, a module:Class or a file's class.
+"""`gcf check SPEC`: the exactness checks of gcfamily/check/ on a name, a module:Class or a file's class.
 
 Exit 0 when every case passes, 1 when a check fails (the FAILED lines say which), 2 with one `error:` line for
 a spec that names no Method, bad settings, or a class of a data family the check cannot build a batch for.

@@ -1,6 +1,6 @@
 """The central invariant, for every registered method: the engine's gradient is the textbook one.
 
-gcfamily/check/__init__.py runs the checks (the same ones as `gcf check SPEC`). For each method, at its own defaults
+gcfamily/check/ runs the checks (the same ones as `gcf check SPEC`). For each method, at its own defaults
 and at settings that reach every branch, on a batch its own setup/prepare build on a stub trainer:
 
 (a) the engine's gradient (micro-batched coefficient + engine.weighted_loss, Z = engine.normaliser) equals
@@ -48,7 +48,7 @@ def test_engine_gradient_is_the_textbook_gradient(name: str, label: str, setting
     cls = get_method(name)
     out = check.run_case(cls, label, settings)
     text, _ = check.report(name, cls, [out])
-    assert out.textbook, f"{name} has no independent textbook in gcfamily/check/__init__.py:\n{text}"
+    assert out.textbook, f"{name} has no independent textbook in gcfamily/check/textbook.py:\n{text}"
     assert not out.refused, f"{name} refuses the check's settings {settings}: {out.refused}"
     assert out.ok, text
     assert out.branches["micro-batches"] >= 4 or not cls.trains_policy  # two seeds, two micro-batches or more each

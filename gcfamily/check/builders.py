@@ -1,4 +1,4 @@
-"""The batches of gcfamily/check/__init__.py, one builder per data family: each makes the method, its stub trainer and a batch
+"""The batches of gcf check (gcfamily/check/), one builder per data family: each makes the method, its stub trainer and a batch
 through the method's own `setup`/`prepare`, places ratios, clips, KL values and margins so that every branch of the
 rule is reached, and returns the textbook objective of that batch (gcfamily/check/textbook.py).
 """

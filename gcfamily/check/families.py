@@ -1,4 +1,4 @@
-"""The data families of gcfamily/check/__init__.py, the settings cases each is checked at, and what a class is held to.
+"""The data families of gcf check (gcfamily/check/), the settings cases each is checked at, and what a class is held to.
 
 A class is held to its family's TEXTBOOK (gcfamily/check/textbook.py) when its rule is the library's: its `coefficient`
 and `objective` are those of a gcfamily method, and every hook a variant changes is one the textbook restates. Otherwise

@@ -1,4 +1,4 @@
-"""The textbook of gcfamily/check/__init__.py: each family's objective restated from its paper, sharing no code with the methods."""
+"""The textbook of gcf check (gcfamily/check/): each family's objective restated from its paper, sharing no code with the methods."""
 
 from __future__ import annotations
 

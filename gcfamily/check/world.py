@@ -1,4 +1,4 @@
-"""The stub world of gcfamily/check/__init__.py: sizes, rewards, the stand-in Services and critic, and how a method is made for a check."""
+"""The stub world of gcf check (gcfamily/check/): sizes, rewards, the stand-in Services and critic, and how a method is made for a check."""
 
 from __future__ import annotations
 

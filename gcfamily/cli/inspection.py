@@ -77,7 +77,7 @@ def check_cmd(spec: str, sets: tuple[str, ...], seeds: int) -> None:
     """Check a method's gradient (a name, module:Class or path/to/file.py:Class) against an independent textbook.
 
     At the method's defaults and at settings that reach every branch: (a) the engine's gradient equals autograd
-    of the textbook objective (gcfamily/check/__init__.py) and of the method's own objective; (b) d loss / d logits through
+    of the textbook objective (gcfamily/check/textbook.py) and of the method's own objective; (b) d loss / d logits through
     the engine's log-prob backward equals GC * w / Z * (onehot - softmax). Exit 0: passed; 1: a check failed.
     """
     from gcfamily import check
