@@ -412,6 +412,7 @@ def test_fsdp2_bf16_mixed_precision_on_one_gpu(tmp_path):
         assert all(p.dtype == torch.float32 for p in tr.policy.parameters())  # the shards the optimizer steps
         tr.run()
         assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+        env.close(agree=True)
     finally:
         env.close()
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -451,6 +452,7 @@ def _worker(out: Path) -> None:
                 save_file(weights, str(out / f"grpo-{strategy}.safetensors"))
                 (out / f"grpo-{strategy}.json").write_text(json.dumps(metrics))
             _ppo_worker(out, strategy, env)
+        env.close(agree=True)  # both ranks finished: a barrier before the connections close
     finally:
         env.close()
 
@@ -545,6 +547,7 @@ if __name__ == "__main__":
         dist_env = DistEnv.from_env("cpu")
         try:
             _late_signal_on_rank_0(Path(sys.argv[1]), dist_env)
+            dist_env.close(agree=True)
         finally:
             dist_env.close()
     else:

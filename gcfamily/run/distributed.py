@@ -115,9 +115,19 @@ class DistEnv:
         """Settings that cannot be split over the ranks; one clear sentence."""
         check_batch_size(cfg.batch_size, self.world_size)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, agree: bool = False) -> None:
+        """Leave the process group. `agree` (a run that ended normally on every rank): first a barrier, so that no rank
+        tears its connections down while a peer is still inside a collective, which can abort that peer's process
+        ("terminate called without an active exception"). Without it (an error path, where a peer may be gone or in
+        another collective), the group is destroyed at once; closing twice is closing once."""
+        if not dist.is_initialized():
+            return
+        if agree:
+            try:
+                dist.barrier()
+            except RuntimeError:  # a peer already left: nothing to wait for
+                pass
+        dist.destroy_process_group()
 
     def barrier(self) -> None:
         dist.barrier()

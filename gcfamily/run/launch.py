@@ -138,6 +138,7 @@ def run_process(cfg: Any, resume: str | None) -> None:
             print(
                 f"done: {trainer.step} steps on {env.world_size} processes ({cfg.strategy}); model and metrics in {out}"
             )
+        env.close(agree=True)  # every rank got here: wait for the others before tearing the connections down
     except GcfError as e:
         code = getattr(e, "exit_code", 2)
         err_dir = os.environ.get(ERROR_DIR_ENV)
