@@ -93,6 +93,28 @@ from gcfamily.errors import GcfError
     help="With --dataset: held-out rows scored by --reward before and after training (split: --set eval_split=NAME).",
 )
 @click.option(
+    "--plan",
+    "plan_from",
+    default=None,
+    metavar="BENCH_JSON",
+    help="Plan instead of run: from an earlier bench.json, its variance components, the minimum detectable difference (MDD) "
+    "of its design and of each finding, and the seeds and prompts that reach --target-mdd, with their time (bench/power.py).",
+)
+@click.option(
+    "--target-mdd",
+    type=float,
+    default=None,
+    help="With --plan: the difference in accuracy a design must detect (80% power, two-sided 0.05; default 0.05). With "
+    "--suite unified: refuse, before any run, a --seeds that an earlier bench.json in OUT predicts cannot detect it.",
+)
+@click.option(
+    "--prompts",
+    "prompts_available",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --plan: how many held-out prompts the task has (default: the bench's own).",
+)
+@click.option(
     "--reward",
     multiple=True,
     help="With --dataset: reward(s) for the on-policy methods and the evaluation: built-in name, module:function or file.py:function.",
@@ -115,9 +137,20 @@ def bench(
     dataset: Optional[str],
     eval_dataset: Optional[str],
     reward: tuple[str, ...],
+    plan_from: Optional[str],
+    target_mdd: Optional[float],
+    prompts_available: Optional[int],
 ) -> None:
-    """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure."""
+    """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure. With --plan,
+    say instead what an earlier bench could detect and what design detects --target-mdd."""
     from gcfamily.config import parse_sets
+
+    if plan_from is not None:
+        from gcfamily.bench.power import plan, recorded_findings
+
+        target = 0.05 if target_mdd is None else target_mdd
+        click.echo(plan(Path(plan_from), target, max_prompts=prompts_available) + recorded_findings(Path(plan_from)))
+        return
 
     if suite == "unified":
         given = [
@@ -138,6 +171,10 @@ def bench(
         from gcfamily.bench.unified import run_unified
 
         folder = Path(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
+        if target_mdd is not None:
+            from gcfamily.bench.power import reachable
+
+            click.echo(reachable(folder / "bench.json", target_mdd, seeds, parse_sets(sets).get("eval_samples")))
         res = run_unified(folder, quick, seeds, parse_sets(sets), threads, click.echo, fresh, replace_runs, model, task)
         failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
         if failed:

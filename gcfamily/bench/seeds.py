@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gcfamily.bench.power import detectable
 from gcfamily.bench.report import fmt
 from gcfamily.core.stats import mean_interval, seeds_bootstrap, wilson
 
@@ -165,8 +166,8 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
             else "-"
             if c is None
             else (
-                f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
-                + (" **significant**" if c["significant"] else " (not significant)")
+                f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}], MDD {c['mdd']:.3f}"
+                + (" **significant**" if c["significant"] else f" (not significant; {detectable(c)})")
             )
         )
         failed = a["seeds"] - a["ok"]
@@ -213,7 +214,11 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]], header: dict[str, A
         "answer function), mean over seeds. The budget columns (steps to peak MB) are means over seeds. The difference to the baseline is in mean final accuracy over seeds; its interval is a two-level bootstrap: each "
         "resample draws the held-out prompts with replacement (the same prompts for both methods: paired) and each method's seeds "
         "with replacement, apart (10,000 resamples, seed 0), so it holds the spread between training runs as well as the "
-        "prompts'; significant when its 95% interval excludes 0. "
+        "prompts'; significant when its 95% interval excludes 0. MDD: the minimum detectable difference of this design, the "
+        "difference it finds significant four times in five (80% power, two-sided 0.05: 2.80 bootstrap standard errors); a "
+        "difference that is not significant is either no difference as large as the MDD (its interval inside +-MDD) or "
+        "inconclusive (the design could not have detected less than the MDD); `gcf bench --plan OUT/bench.json` says what "
+        "design reaches a smaller one. "
         "Train FLOPs: 6 x parameters x loss tokens + 2 x parameters x generated tokens (an estimate: packing, prefix sharing and "
         "the loss-token-only head do less). Prompts seen: steps x batch_size.",
     ]

@@ -199,8 +199,13 @@ def plans_of(
 
 
 def _per_prompt(run: dict[str, Any], figure: str) -> Optional[dict[tuple[int, str], float]]:
-    """A run's per-prompt score: greedy correctness at its last evaluation, or from its k samples Maj@K right / Pass@K."""
+    """A run's per-prompt score: greedy correctness at its last evaluation, or from its k samples Maj@K right / Pass@K;
+    from a bench.json's record (`per_prompt`, keyed by index) where the run is a record rather than a folder."""
     from gcfamily.bench.seeds import heldout
+
+    if "folder" not in run:
+        kept = (run.get("per_prompt") or {}).get(figure)
+        return {(int(i), ""): float(v) for i, v in kept.items()} if kept else None
 
     folder = Path(run["folder"])
     if figure == "accuracy":
@@ -225,12 +230,18 @@ def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], figure: 
 
 
 def verdict(d: Optional[dict[str, Any]], want_positive: bool = True) -> str:
-    """holds / not significant / reversed for a difference the paper finds positive; for (4b) (no gain) the reverse."""
+    """holds / reversed / not significant for a difference the paper finds positive, for (4b) (no gain) the reverse;
+    a difference that is not significant says whether the design could have detected one as large as its MDD
+    (bench/power.py's `detectable`)."""
+    from gcfamily.bench.power import detectable
+
     if d is None:
         return "not measured"
     if not want_positive:
-        return "holds (no significant gain)" if d["lo"] <= 0.0 else "does not hold (a significant gain)"
-    return "holds" if d["lo"] > 0.0 else ("reversed" if d["hi"] < 0.0 else "not significant")
+        if d["lo"] > 0.0:
+            return "does not hold (a significant gain)"
+        return "holds (no significant gain)" if d["hi"] < 0.0 else f"no significant gain; {detectable(d)}"
+    return "holds" if d["lo"] > 0.0 else ("reversed" if d["hi"] < 0.0 else f"not significant; {detectable(d)}")
 
 
 def findings(per_method: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -255,19 +266,19 @@ def findings_table(rows: list[dict[str, Any]]) -> str:
     from gcfamily.bench.report import fmt
 
     lines = [
-        "| finding | difference | 95% interval | p | verdict |",
-        "|---|---|---|---|---|",
+        "| finding | difference | 95% interval | p | MDD | verdict |",
+        "|---|---|---|---|---|---|",
     ]
     names = {"accuracy": "greedy accuracy", "maj": "Maj@K", "pass": "Pass@K"}
     for r in rows:
         d = r["difference"]
         what = f"{names[r['figure']]}: {r['a']} - {r['b']}"
         if d is None:
-            lines.append(f"| {r['finding']} ({what}) | - | - | - | {r['verdict']} |")
+            lines.append(f"| {r['finding']} ({what}) | - | - | - | - | {r['verdict']} |")
         else:
             lines.append(
                 f"| {r['finding']} ({what}) | {fmt(d['diff'], '+.3f')} | [{fmt(d['lo'], '+.3f')}, {fmt(d['hi'], '+.3f')}] "
-                f"| {fmt(d['p_value'], '.3f')} | {r['verdict']} |"
+                f"| {fmt(d['p_value'], '.3f')} | {fmt(d.get('mdd'), '.3f')} | {r['verdict']} |"
             )
     return "\n".join(lines) + "\n"
 

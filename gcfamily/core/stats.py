@@ -222,7 +222,9 @@ def paired_bootstrap(
 
     Returns {"diff": mean(a) - mean(b), "lo", "hi": the percentile interval of
     the resampled differences at `confidence`, "p_value", "significant":
-    0 lies outside [lo, hi], "n": number of items}.
+    0 lies outside [lo, hi], "n": number of items, "se": the standard deviation
+    of the resampled differences, "mdd": the minimum detectable difference at
+    80% power of this design, `mdd(se, confidence)`}.
 
     p_value is two-sided: the share of resampled differences on the other side
     of 0 from diff (<= 0 when diff > 0, >= 0 when diff < 0), doubled and capped
@@ -252,8 +254,18 @@ def paired_bootstrap(
     return _percentile_result(means, float(xa.mean() - xb.mean()), confidence, n)
 
 
+def mdd(se: float, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The minimum detectable difference of an estimate with standard error `se`: the true difference that a two-sided
+    test at 1 - `confidence` finds significant with probability `power`, (z_{(1+confidence)/2} + z_power) * se
+    (2.80 standard errors at 0.95 and 80%)."""
+    _check_confidence(confidence)
+    _check_confidence(power)
+    return (_z(confidence) + NormalDist().inv_cdf(power)) * se
+
+
 def _percentile_result(means: np.ndarray, diff: float, confidence: float, n: int) -> dict:
-    """The percentile interval of resampled mean differences, the two-sided p-value and the significance mark."""
+    """The percentile interval of resampled mean differences, the two-sided p-value, the significance mark, the
+    bootstrap standard error and the minimum detectable difference at 80% power (`mdd`)."""
     alpha = 1.0 - confidence
     lo, hi = (float(q) for q in np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0]))
     if diff > 0:
@@ -262,7 +274,18 @@ def _percentile_result(means: np.ndarray, diff: float, confidence: float, n: int
         p_value = min(1.0, 2.0 * float(np.mean(means >= 0.0)))
     else:
         p_value = 1.0
-    return {"diff": diff, "lo": lo, "hi": hi, "p_value": p_value, "significant": bool(lo > 0.0 or hi < 0.0), "n": n}
+    se = float(np.std(means, ddof=1)) if len(means) > 1 else 0.0
+    significant = bool(lo > 0.0 or hi < 0.0)
+    return {
+        "diff": diff,
+        "lo": lo,
+        "hi": hi,
+        "p_value": p_value,
+        "significant": significant,
+        "n": n,
+        "se": se,
+        "mdd": mdd(se, confidence),
+    }
 
 
 def seeds_bootstrap(
