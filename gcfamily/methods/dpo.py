@@ -32,7 +32,7 @@ from gcfamily.data.preferences import preference_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
 from gcfamily.methods.onpolicy import make_rewards, sampling_of
-from gcfamily.methods.pools import Pool, draw, pairs_of, pool_for
+from gcfamily.methods.pools import Pool, check_drawn_for, draw, pairs_of, pool_for
 from gcfamily.methods.services import Services
 
 _UPFRONT_PAIRS = 512
@@ -96,6 +96,7 @@ class DPO(Method):
         super().setup(services)
         self.pad_id = default_pad_id(services.tokenizer)
         self.pool_stats: Stats = {}
+        self.pool_drawn_for: dict[str, Any] = {}  # pairs=own-samples: what its pool was drawn for (pools.py)
         if getattr(self.settings, "pairs", "dataset") == "own-samples":
             self.pairs, self.skipped = self._own_pairs(services)
         else:
@@ -145,9 +146,9 @@ class DPO(Method):
             return drawn
 
         # setup is before any update, resumed or not
-        pool = pool_for(services, "dpo-pairs", s.pool, make, resumed=False)
-        if any(p >= n for p in pool.prompt_index):
-            raise GcfError("The pool holds prompts this run does not have; pass a pool drawn on the same data.")
+        # a pool file read is checked against these prompts: its indices in range, its prompts these
+        pool = pool_for(services, "dpo-pairs", s.pool, make, False, data.examples)
+        self.pool_drawn_for = pool.drawn_for
         pairs, unpaired = pairs_of(pool, s.reward_threshold)
         if not pairs:
             raise GcfError(
@@ -157,6 +158,12 @@ class DPO(Method):
         self.pool_stats = {"dpo/pool_pairs": float(len(pairs)), "dpo/pool_unpaired_prompts": float(unpaired)}
         out = [(data.examples[p], pool.completion_ids[w], pool.completion_ids[lo]) for p, w, lo in pairs]
         return out, data.n_skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool_drawn_for} if self.pool_drawn_for else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_drawn_for(Pool(drawn_for=self.pool_drawn_for), state.get("pool"), "dpo-pairs")
 
     def _reference_logps(self, model, pairs: list[int]) -> dict[tuple[int, int], torch.Tensor]:  # type: ignore[no-untyped-def]
         """pi_ref log-probs of the completion tokens of the given pairs (chosen and rejected), by `model` as pi_ref."""

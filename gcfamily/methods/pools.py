@@ -6,13 +6,20 @@ policy as it is before any update, and scored once by the run's reward. It is sa
 (`pools/NAME.jsonl`, one line per sample), so `--resume` reads the same pool, and a later run can reuse it exactly
 with the method's `pool` setting (the path of that file). A pool is never redrawn from a trained policy: a resumed run
 whose pool file is gone stops in one sentence.
+
+A pool file is untrusted input (a run folder may be copied or downloaded): its first line records what it was drawn for
+(a digest of its prompts' token ids, and one of its lines), the run's checkpoints record the same, and a file that was
+edited, cut, drawn for other prompts or is not the one a resumed checkpoint trained on is refused in one sentence.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,62 +28,122 @@ from gcfamily.methods.services import Services
 from gcfamily.rewards import as_rewards
 from gcfamily.rollout import SamplingSettings
 
+COLUMNS = ("prompt_index", "completion_ids", "completions", "rewards", "valid")
+"""A pool line's fields, one per sample."""
+
 
 @dataclass
 class Pool:
-    """Scored samples, in the order drawn: sample k belongs to prompt prompt_index[k] (an index into the run's prompts)."""
+    """Scored samples, in the order drawn: sample k belongs to prompt prompt_index[k] (an index into the run's prompts).
+
+    `drawn_for` is what the pool was drawn for, written as its file's first line and in the run's checkpoints:
+    `prompts`, a digest of the token ids of the prompts it samples (the task or dataset, its formatting and tokenizer,
+    and the choice of prompts), and `samples`, a digest of its lines."""
 
     prompt_index: list[int] = field(default_factory=list)
     completion_ids: list[list[int]] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
+    drawn_for: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompt_index)
 
-    def save(self, path: Path) -> None:
-        """One JSON line per sample, written to a temporary file and renamed: a pool file is whole or absent."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def save(self, path: Path, prompt_ids: list[list[int]]) -> None:
+        """The header (`drawn_for`) and one JSON line per sample, written to a temporary file and renamed: a pool file
+        is whole or absent, also on a full disk (one sentence, no temporary file left)."""
+        lines = b"".join(
+            (json.dumps({c: getattr(self, c)[k] for c in COLUMNS}) + "\n").encode() for k in range(len(self))
+        )
+        self.drawn_for = {
+            "gcf_pool": 1,
+            "count": len(self),
+            "prompts": prompts_digest(prompt_ids, self.prompt_index),
+            "samples": hashlib.sha256(lines).hexdigest(),
+        }
+        data = (json.dumps(self.drawn_for) + "\n").encode() + lines
         tmp = path.with_name(f".tmp-{path.name}")
-        with tmp.open("w", encoding="utf-8") as f:
-            for k in range(len(self)):
-                row = {key: getattr(self, key)[k] for key in asdict(self)}
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            raise GcfError(
+                f"Could not write the pool file {path} ({why}); no step was trained on it: free some disk space and "
+                "run again."
+            ) from None
 
     @classmethod
-    def load(cls, path: Path) -> "Pool":
-        """A pool file as `save` wrote it; anything else is one sentence naming the file."""
+    def load(cls, path: Path, prompt_ids: list[list[int]], vocab: Optional[int] = None) -> "Pool":
+        """A pool file as `save` wrote it for these prompts (`prompt_ids`, the run's; `vocab`: token ids below it);
+        anything else (another format, lines edited or cut, a sample out of range, a pool drawn for other prompts) is
+        one sentence naming the file."""
         pool = cls()
+
+        def refuse(why: str) -> GcfError:
+            return GcfError(f"The pool file {path} {why}; pass a pool that a run wrote for this run's prompts.")
+
         try:
-            for line in path.read_text(encoding="utf-8").splitlines():
-                row = json.loads(line)
-                for key in asdict(pool):
-                    getattr(pool, key).append(row[key])
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise GcfError(
-                f"The pool file {path} cannot be read ({type(e).__name__}); pass a pool that a run wrote."
-            ) from e
-        bad = [k for k in range(len(pool)) if not _sample_ok(pool, k)]
-        if bad:
-            raise GcfError(
-                f"The pool file {path} has a malformed sample on line {bad[0] + 1}; pass a pool that a run wrote."
-            )
+            head, _, lines = path.read_bytes().partition(b"\n")
+            pool.drawn_for = json.loads(head) if head.strip() else {}
+            rows = [json.loads(line) for line in lines.splitlines()]
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise refuse(f"cannot be read ({type(e).__name__})") from None
+        head_ok = isinstance(pool.drawn_for, dict) and pool.drawn_for.get("gcf_pool") == 1
+        if not head_ok or not all(isinstance(pool.drawn_for.get(k), str) for k in ("prompts", "samples")):
+            raise refuse("cannot be read (it does not begin with the line that says what the pool was drawn for)")
+        if not rows:
+            raise refuse("holds no samples")
+        if hashlib.sha256(lines).hexdigest() != pool.drawn_for["samples"] or len(rows) != pool.drawn_for.get("count"):
+            raise refuse("has been edited or cut since it was drawn (its lines do not match its first line's digest)")
+        for k, row in enumerate(rows):
+            if not _sample_ok(row, len(prompt_ids), vocab):
+                raise refuse(f"has a malformed sample on line {k + 2}")
+            for c in COLUMNS:
+                getattr(pool, c).append(row[c])
+        if prompts_digest(prompt_ids, pool.prompt_index) != pool.drawn_for["prompts"]:
+            raise refuse("was drawn for other prompts (another task, dataset, formatting or tokenizer)")
         return pool
 
 
-def _sample_ok(pool: Pool, k: int) -> bool:
-    ids, r = pool.completion_ids[k], pool.rewards[k]
+def prompts_digest(prompt_ids: list[list[int]], prompt_index: list[int]) -> str:
+    """A digest of the prompts a pool samples: each one's index and token ids, in index order."""
+    h = hashlib.sha256()
+    for p in sorted(set(prompt_index)):
+        h.update(json.dumps([p, prompt_ids[p]]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _is_int(x: Any, below: Optional[int]) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x and (below is None or x < below)
+
+
+def _sample_ok(row: Any, n_prompts: int, vocab: Optional[int]) -> bool:
+    if not isinstance(row, dict) or any(c not in row for c in COLUMNS):
+        return False
+    ids, r = row["completion_ids"], row["rewards"]
     return (
-        isinstance(pool.prompt_index[k], int)
+        _is_int(row["prompt_index"], n_prompts)
         and isinstance(ids, list)
-        and all(isinstance(t, int) for t in ids)
-        and isinstance(pool.completions[k], str)
+        and all(_is_int(t, vocab) for t in ids)
+        and isinstance(row["completions"], str)
         and isinstance(r, (int, float))
-        and isinstance(pool.valid[k], bool)
+        and not isinstance(r, bool)
+        and math.isfinite(r)
+        and isinstance(row["valid"], bool)
     )
 
 
@@ -112,20 +179,29 @@ def draw(
     return pool
 
 
-def pool_for(services: Services, name: str, given: Optional[str], make: Callable[[], Pool], resumed: bool) -> Pool:
+def pool_for(
+    services: Services,
+    name: str,
+    given: Optional[str],
+    make: Callable[[], Pool],
+    resumed: bool,
+    prompt_ids: list[list[int]],
+) -> Pool:
     """This run's pool NAME: its file in the run folder if there is one (a resume), else the `given` pool file (reused
-    exactly), else drawn now by `make`; saved to the run folder either way."""
+    exactly), else drawn now by `make`; saved to the run folder either way. A file read must have been drawn for this
+    run's prompts (`prompt_ids`; Pool.load)."""
     if services.world_size > 1:
         raise GcfError(
             f"A pool of the initial policy's samples ({name}) is drawn in one process for now; run with --nproc 1."
         )
+    vocab = _vocab(services)
     path = services.run_file(f"pools/{name}.jsonl")
     if path is not None and path.is_file():
-        return Pool.load(path)
+        return Pool.load(path, prompt_ids, vocab)
     if given:
         if not Path(given).is_file():
             raise GcfError(f"pool={given} is not a file; pass the pools/{name}.jsonl of an earlier run.")
-        pool = Pool.load(Path(given))
+        pool = Pool.load(Path(given), prompt_ids, vocab)
     elif resumed:
         raise GcfError(
             f"This resumed run's pool {path} is gone; it held the initial policy's samples, which a trained policy "
@@ -134,8 +210,30 @@ def pool_for(services: Services, name: str, given: Optional[str], make: Callable
     else:
         pool = make()
     if path is not None and services.is_main:
-        pool.save(path)
+        pool.save(path, prompt_ids)
+    elif not pool.drawn_for:
+        pool.drawn_for = {"prompts": prompts_digest(prompt_ids, pool.prompt_index)}
     return pool
+
+
+def check_drawn_for(pool: Pool, recorded: Optional[dict[str, Any]], name: str) -> None:
+    """A resume: the pool read is the one the checkpoint's steps were trained on (`recorded`, from its state; a
+    checkpoint of before pools were recorded has none)."""
+    if not recorded:
+        return
+    if any(recorded.get(k) != pool.drawn_for.get(k) for k in ("prompts", "samples")):
+        raise GcfError(
+            f"The pool {name} read now is not the one the resumed checkpoint was trained on (it was edited, cut or "
+            "replaced); restore the run's pools/ file, or start the run again."
+        )
+
+
+def _vocab(services: Services) -> Optional[int]:
+    """The policy's vocabulary size: a pooled token id at or past it is not one the policy drew."""
+    try:
+        return int(services.policy().get_input_embeddings().num_embeddings)
+    except (AttributeError, TypeError):
+        return None
 
 
 def pairs_of(pool: Pool, threshold: float) -> tuple[list[tuple[int, int, int]], int]:

@@ -23,7 +23,7 @@ from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.onpolicy import OnPolicy
-from gcfamily.methods.pools import Pool, draw, pool_for
+from gcfamily.methods.pools import Pool, check_drawn_for, draw, pool_for
 from gcfamily.methods.services import Services
 
 
@@ -84,9 +84,13 @@ class OfflineRFT(RFT):
         n, k = len(self.prompt_tokens), self.settings.pool_prompts
         self.pool_prompts = sorted(epoch_indices(n, self.cfg.seed, 0, k)) if 0 < k < n else list(range(n))
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "pool": self.pool.drawn_for if self.pool is not None else {}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.resumed = True  # the pool must be this run's own: never redrawn from a trained policy
+        check_drawn_for(self._pool(), state.get("pool"), self.name)  # read now: refused before the start commits
 
     def _pool(self) -> Pool:
         if self.pool is None:
@@ -99,10 +103,9 @@ class OfflineRFT(RFT):
                 drawn.prompt_index = [self.pool_prompts[i] for i in drawn.prompt_index]
                 return drawn
 
-            self.pool = pool_for(services, self.name, self.settings.pool, make, self.resumed)
+            # a pool file read is checked against these prompts: its indices in range, its prompts these
+            self.pool = pool_for(services, self.name, self.settings.pool, make, self.resumed, self.prompt_tokens)
             self.pad_id = default_pad_id(services.tokenizer)
-            if any(p >= len(self.prompt_tokens) for p in self.pool.prompt_index):
-                raise GcfError("The pool holds prompts this run does not have; pass a pool drawn on the same data.")
             self.samples: dict[int, list[int]] = {}
             for k, p in enumerate(self.pool.prompt_index):
                 self.samples.setdefault(p, []).append(k)

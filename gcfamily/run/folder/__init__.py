@@ -26,6 +26,10 @@ that fails leaves the folder as it was.
   trajectory may differ only with allow_changed_settings=true, which records the change; metrics and completions
   logged after the resumed step are dropped (they are about to be logged again), and half-written checkpoint folders
   are removed.
+- A run folder is untrusted input (copied between machines, downloaded): the record is validated before anything acts
+  on it (every owned name one a run writes, never a pattern of the user's; a pending move only of checkpoints/step-N
+  into checkpoints/replaced-at-step-B, through no link, inside the folder), and so is a set-aside run (a folder of run
+  names only); one that does not validate is one sentence and nothing changes.
 - Before training the folder must be writable and hold room for a checkpoint.
 - Until the start commits (RunFolder.commit) nothing already in the folder is changed or removed, only set aside (the
   record excepted: its old bytes are kept and written back); a start that fails removes what it wrote (`snapshot`,

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from gcfamily.errors import GcfError
 from gcfamily.run.folder.lock import LOCK
 from gcfamily.run.folder.ownership import ASIDE, RECORD, is_run_file, owned_entries
 
@@ -29,9 +30,16 @@ def set_aside(out_dir: Path, names: list[str] | None = None) -> list[str]:
 def put_back(out_dir: Path) -> list[str]:
     """Undo set_aside: each set-aside entry back in its place (over whatever a failed start wrote there); the names."""
     aside = out_dir / ASIDE
-    if not aside.is_dir():
+    if not (aside.exists() or aside.is_symlink()):
         return []
-    names = sorted(p.name for p in aside.iterdir())
+    names = sorted(p.name for p in aside.iterdir()) if aside.is_dir() and not aside.is_symlink() else None
+    strange = [n for n in names or [] if not (is_run_file(n) or n == RECORD)]
+    if names is None or strange:  # a folder copied or downloaded: only what set_aside moves is put back
+        what = f"holds {strange[0][:40]!r}, which no run sets aside" if strange else "is not a folder"
+        raise GcfError(
+            f"{aside} {what}, so it is not a run that --overwrite set aside and nothing was changed; move it out of "
+            f"{out_dir}, or choose another --output-dir."
+        )
     for name in names:
         _remove(out_dir / name)
         os.replace(aside / name, out_dir / name)

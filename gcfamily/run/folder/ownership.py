@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,24 +57,64 @@ def is_internal(name: str) -> bool:
     return name.startswith(".gcf")
 
 
-def read_record(out_dir: Path) -> dict[str, Any] | None:
-    """The run's record (module docstring), or None when the folder has none; one sentence when it cannot be read."""
-    path = out_dir / RECORD
-    if not path.is_file():
+_STEP = re.compile(r"step-[0-9]{1,18}")
+_DEST = re.compile(r"replaced-at-step-[0-9]{1,18}(-[0-9]{1,9})?")
+"""The names a record's `pending` may hold: checkpoints/step-N moved into checkpoints/replaced-at-step-B[-n]."""
+
+
+def _record_fault(out_dir: Path, record: Any) -> str | None:
+    """Why `record` is not one that a run wrote (the module docstring's shape, every name one a run writes, every path
+    inside the folder), or None. A record is read from a folder that may have been copied or downloaded: nothing in it
+    is acted on before this has passed."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    owns = record.get("owns")
+    if not isinstance(owns, list) or not all(isinstance(n, str) for n in owns):
+        return "its owns is not a list of names"
+    strange = [n for n in owns if n not in CLAIMS]  # every record a run ever wrote owns a subset of CLAIMS
+    if strange:
+        return f"it owns {strange[0][:40]!r}, which is not a name a gcfamily run writes"
+    segments = record.get("segments", [])
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        return "its segments are not a list of records"
+    pending = record.get("pending")
+    if pending is None:
         return None
-    try:
-        record = json.loads(path.read_text())
-        ok = isinstance(record, dict) and isinstance(record.get("owns"), list)
-        ok = ok and all(isinstance(n, str) for n in record["owns"]) and isinstance(record.get("segments", []), list)
-    except (OSError, ValueError, RecursionError) as e:
-        record, ok = None, False
-        why = str(e)[:80] or type(e).__name__
+    names = pending.get("names") if isinstance(pending, dict) else None
+    dest = pending.get("dest") if isinstance(pending, dict) else None
+    if not isinstance(dest, str) or not _DEST.fullmatch(dest):
+        return "its pending move does not name a checkpoints/replaced-at-step-N folder"
+    if not isinstance(names, list) or not all(isinstance(n, str) and _STEP.fullmatch(n) for n in names):
+        return "its pending move names something other than checkpoints/step-N"
+    root = out_dir / "checkpoints"
+    for path in (root, root / dest):  # a link would carry the move out of the folder
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            return f"its pending move goes through {path.relative_to(out_dir)}, which is not a folder of the run"
+    if not (root / dest).resolve().is_relative_to(out_dir.resolve()):
+        return "its pending move leaves the folder"
+    return None
+
+
+def read_record(out_dir: Path) -> dict[str, Any] | None:
+    """The run's record (module docstring), validated (`_record_fault`), or None when the folder has none; one sentence
+    when it cannot be read or does not validate."""
+    path = out_dir / RECORD
+    if not (path.exists() or path.is_symlink()):
+        return None
+    record, why = None, None
+    if path.is_symlink() or not path.is_file():
+        why = "it is a link or a folder, not a file"
     else:
-        why = "not a record of owned names and segments"
-    if not ok:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            why = str(e)[:80] or type(e).__name__
+        else:
+            why = _record_fault(out_dir, record)
+    if why is not None:
         raise GcfError(
-            f"The run record {path} cannot be read ({why}), so what the run in {out_dir} owns is unknown; restore it, "
-            f"or choose another --output-dir."
+            f"The run record {path} is not one a run wrote ({why}), so what the run in {out_dir} owns is unknown and "
+            f"nothing was changed; restore the record, or choose another --output-dir."
         )
     return record
 

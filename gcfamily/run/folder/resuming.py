@@ -142,10 +142,16 @@ def finish_pending(out_dir: Path, record: dict[str, Any]) -> None:
     pending = record.get("pending")
     if not isinstance(pending, dict):
         return
-    root = out_dir / "checkpoints"
-    (root / str(pending["dest"])).mkdir(parents=True, exist_ok=True)
-    for name in pending.get("names") or []:
-        if (root / name).exists():
-            os.replace(root / name, root / str(pending["dest"]) / name)
+    root, dest = out_dir / "checkpoints", str(pending["dest"])  # both validated by read_record: inside the folder
+    try:
+        (root / dest).mkdir(parents=True, exist_ok=True)
+        for name in pending.get("names") or []:
+            if (root / name).exists():
+                os.replace(root / name, root / dest / name)
+    except OSError as e:
+        raise GcfError(
+            f"The checkpoints past the resumed step of {out_dir} cannot be set apart in {root / dest} "
+            f"({e.strerror or e}); move them yourself, or resume into another --output-dir."
+        ) from e
     record["pending"] = None
     write_record(out_dir, record)

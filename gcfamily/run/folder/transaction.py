@@ -102,10 +102,10 @@ class RunFolder:
                 f"note: put back the run in {out} that an --overwrite start set aside and never finished ({_names(back)}).",
                 file=sys.stderr,
             )
-        old = ownership.read_record(out)
-        if old is not None and old.get("pending"):  # a resume's commit killed while it set an older branch apart
-            resuming.finish_pending(out, old)
+        old = ownership.read_record(out)  # validated: nothing in it is acted on before
         checks.check_contents(out, cfg.model, resume, cfg.overwrite, old)
+        if resume is not None and old is not None and old.get("pending"):
+            resuming.finish_pending(out, old)  # a resume's commit killed while it set an older branch apart
         self._before = aside.snapshot(out)
         if (out / ownership.RECORD).is_file():
             self._record_bytes = (out / ownership.RECORD).read_bytes()
