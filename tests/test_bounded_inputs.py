@@ -168,3 +168,41 @@ def test_deep_rows_from_python_are_one_sentence():
     for value in (deep, looped):
         with pytest.raises(GcfError, match=r"Row 1 of dataset .* nests values more than 100 deep"):
             load_rows([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "b", "x": value}])
+
+
+# --------------------------------------------------------------------------- counts bounded by the machine
+
+
+@pytest.mark.parametrize("k", ["1000000", "99999999999999999999"])
+def test_maj_k_past_the_machine_is_one_sentence(gcf, k, monkeypatch):
+    """--maj-k 1000000 tried to allocate 94 GB, 99999999999999999999 overflowed a C int: a traceback. Refused after the
+    model loads (its sizes give the cache) and before any generation."""
+    from gcfamily.run import heldout
+
+    generated: list[int] = []
+    monkeypatch.setattr(heldout, "heldout_accuracy", lambda *a, **kw: generated.append(1) or 0.0)
+    err = _one_sentence(*gcf("eval", "--model", "tiny", "--samples", "16", "--maj-k", k))
+    assert f"--maj-k {k} samples" in err and "GiB" in err and "lower it" in err, err
+    assert generated == []
+
+
+def test_a_maj_k_the_machine_holds_is_not_refused():
+    from gcfamily.models import tiny_model
+    from gcfamily.run.heldout import check_fits
+
+    check_fits(tiny_model(103), 16 * 8, 32, "--maj-k 8")  # 128 rows of 33 positions: a few MB
+
+
+@pytest.mark.parametrize("value", ["1e8", "-1", "0"])
+def test_samples_that_are_not_a_count_are_one_sentence(gcf, value):
+    err = _one_sentence(*gcf("eval", "--model", "tiny", "--samples", value))
+    assert "--samples" in err, err
+
+
+@pytest.mark.parametrize("suite", [[], ["--suite", "unified"]])
+def test_bench_out_a_file_is_one_sentence(gcf, tmp_path, suite):
+    (tmp_path / "taken").write_text("a file of the user's\n")
+    for out in (tmp_path / "taken", tmp_path / "taken" / "below"):
+        err = _one_sentence(*gcf("bench", "--quick", *suite, "--out", str(out)))
+        assert "taken is a file" in err, err
+    assert (tmp_path / "taken").read_text() == "a file of the user's\n"
