@@ -255,3 +255,104 @@ def test_the_progress_bar_comes_with_the_reason(gcf, tmp_path):
     assert code == 0 and err.splitlines()[0].startswith("threads: torch was set to 1 thread before the run"), err
     code, _, err = gcf(*args, "--output-dir", str(tmp_path / "b"), "--set", "progress=false")
     assert code == 0 and "threads:" not in err, err
+
+
+# --------------------------------------------------------------------------- bounds and hostile machines (issue 49)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "cpu0 100 0 50\n",  # three fields: no idle column
+        "cpu0 a b c d e\n",  # not numbers
+        "cpu0 100 0 50 -800 50\n",  # a negative tick
+        "cpu0\n",
+        "cpu0 1e3 0 0 9 0\n",
+    ],
+)
+def test_a_short_or_garbled_per_cpu_line_is_not_counted(text):
+    assert stat_ticks(text, None) is None  # was an IndexError or a ValueError
+    assert stat_ticks(text + "cpu1 10 0 0 990 0 0 0 0\n", None) == (10, 1000, 1)  # the good line still counts
+
+
+def _group(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_a_cgroup_v2_quota_counts_as_fewer_cores(tmp_path):
+    from gcfamily.core.cgroup import cgroup_quota
+
+    root = _group(tmp_path, {"job/cpu.max": "150000 100000\n", "cpu.max": "max 100000\n"})
+    assert cgroup_quota(root, "0::/job\n") == 1.5  # 150 ms every 100 ms; the root's "max" is no limit
+    assert cgroup_quota(root, "0::/\n") is None
+    root = _group(tmp_path / "nested", {"a/cpu.max": "100000 100000", "a/b/cpu.max": "max 100000"})
+    assert cgroup_quota(root, "0::/a/b") == 1.0  # a parent's quota binds its children
+    for garbled in ("", "max", "x y", "100000 0", "-5 100000"):
+        assert cgroup_quota(_group(tmp_path / "g", {"cpu.max": garbled}), "0::/") is None
+
+
+def test_a_cgroup_v1_quota_counts_as_fewer_cores(tmp_path):
+    from gcfamily.core.cgroup import cgroup_quota
+
+    root = _group(
+        tmp_path, {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}
+    )
+    assert cgroup_quota(root, "4:memory:/job\n3:cpu,cpuacct:/job\n") == 0.5
+    unlimited = _group(tmp_path / "u", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"})
+    assert cgroup_quota(unlimited, "3:cpu:/\n") is None
+
+
+def test_usable_cores_takes_the_quota(monkeypatch):
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: 1.5)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert threads.usable_cores() == 2  # ceil(1.5): the second thread has half a core
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: 0.2)
+    assert threads.usable_cores() == 1
+    monkeypatch.setattr(threads, "cgroup_quota", lambda: None)
+    assert threads.usable_cores() == 4
+
+
+def test_one_usable_core_is_said_without_blaming_omp_num_threads():
+    count, reason = choose_threads(1, 0.0, None, 1)  # taskset -c 0: torch's own default is 1 thread
+    assert count == 1 and "1 core usable here" in reason and "OMP_NUM_THREADS" not in reason, reason
+    count, reason = choose_threads(4, 0.0, None, 1)  # 4 cores, torch held at 1 by the program
+    assert "torch.set_num_threads" in reason and "OMP_NUM_THREADS" not in reason, reason
+    count, reason = choose_threads(4, 0.0, None, 1, omp="1")
+    assert "OMP_NUM_THREADS=1" in reason, reason
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs CPU affinity")
+def test_taskset_to_one_core_in_a_real_process():
+    """The issue's replay: affinity limited to one core, OMP_NUM_THREADS not set; the message blamed it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); from gcfamily.core import threads; print(threads.decide(None).reason)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "1 core usable here" in out.stdout and "OMP_NUM_THREADS" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("value", ["100000", "2147483648", "99999999999999999999"])
+def test_more_threads_than_usable_cores_is_one_sentence(gcf, tmp_path, value, monkeypatch):
+    """threads=100000 started 100,000 threads (the machine's other processes failed to fork; then SIGSEGV), and
+    2147483648 overflowed torch's int: a traceback. Refused before torch is asked."""
+    asked: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    code, _, err = gcf(
+        "run", "--method", "sft", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "o"),
+        "--set", f"threads={value}",
+    )  # fmt: skip
+    assert code == 2 and err.startswith(f"error: threads={value} is more than the ") and "threads=auto" in err, err
+    assert len(err.strip().splitlines()) == 1 and int(value) not in asked, asked
+
+
+@pytest.mark.parametrize("recorded", [100000, 0, -3, "2", True, 2.0])
+def test_a_recorded_count_past_the_cores_or_not_a_count_is_not_taken(recorded):
+    count, reason = resumed_threads(recorded, 2, "2 cores, 0 busy: 2 threads", explicit=False, cores=2)
+    assert count == 2 and f"records threads={recorded!r}" in reason and "not bitwise equal" in reason, reason

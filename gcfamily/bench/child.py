@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
+from gcfamily.run.launch import die_with_parent
 
 if TYPE_CHECKING:
     from gcfamily.run.hooks import StartEvaluation
@@ -235,6 +236,10 @@ def child(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if (
+        len(sys.argv) > 2
+    ):  # the bench's pid: never outlive it (a SIGKILLed bench left its child training, holding the lock)
+        die_with_parent(int(sys.argv[2]))
     try:
         child(sys.argv[1])
     except GcfError as err:  # the parent reports the exit code and points at this log

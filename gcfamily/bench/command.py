@@ -12,6 +12,15 @@ from gcfamily.bench.suite import run_bench
 from gcfamily.errors import GcfError
 
 
+def _out_folder(out: str) -> Path:
+    """The bench's output folder, refused in one sentence where it, or a folder above it, is a file."""
+    folder = Path(out).expanduser()
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise GcfError(f"--out {out} cannot be a folder: {blocked} is a file; pass a folder's path.")
+    return folder
+
+
 @click.command("bench")
 @click.option(
     "--methods",
@@ -170,7 +179,7 @@ def bench(
             )
         from gcfamily.bench.unified import run_unified
 
-        folder = Path(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
+        folder = _out_folder(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
         if target_mdd is not None:
             from gcfamily.bench.power import reachable
 
@@ -192,7 +201,7 @@ def bench(
         chosen = list(all_methods())
     else:
         chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
-    folder = Path(out or ("runs/bench-quick" if quick else "runs/bench"))
+    folder = _out_folder(out or ("runs/bench-quick" if quick else "runs/bench"))
     tasks = (
         [t.strip() for t in task.split(",") if t.strip()]
         if dataset is None

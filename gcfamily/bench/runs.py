@@ -25,7 +25,7 @@ def launch(spec: dict[str, Any], folder: Path, env: dict[str, str]) -> dict[str,
     received: list[int] = []
     with (folder / "bench.log").open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gcfamily.bench.child", str(spec_path)],
+            [sys.executable, "-m", "gcfamily.bench.child", str(spec_path), str(os.getpid())],  # it dies with us
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -187,6 +187,9 @@ def eval_cmd(
         validate(cfg)
         rows = load_rows(dataset, split, dataset_config, cfg.columns)
         m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+        from gcfamily.run.heldout import check_fits
+
+        check_fits(m, min(128, samples, len(rows)), max_new_tokens, f"--max-new-tokens {max_new_tokens}")
         fmt = Formatter(tok, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
         t0 = time.time()
         from gcfamily.core import onednn
@@ -208,7 +211,7 @@ def eval_cmd(
         return
     import yaml
 
-    from gcfamily.run.heldout import answer_extractor, heldout_accuracy, sampled_eval
+    from gcfamily.run.heldout import answer_extractor, check_fits, heldout_accuracy, sampled_eval
     from gcfamily.tasks import get_task
 
     try:  # --set min_len=2: a number, as in a recipe's task_options
@@ -218,9 +221,12 @@ def eval_cmd(
     t = get_task(task, seed=seed, **options)
     answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
     m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+    n = len(t.heldout_rows(samples))
+    check_fits(m, min(128, n), max_new_tokens, f"--max-new-tokens {max_new_tokens}")
+    if maj_k is not None:  # before the greedy pass, which may take minutes
+        check_fits(m, min(16, n) * maj_k, max_new_tokens, f"--maj-k {maj_k}")
     t0 = time.time()
     acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
-    n = len(t.heldout_rows(samples))
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
     if maj_k is not None:
         from gcfamily.data.encoding import Formatter

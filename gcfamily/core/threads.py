@@ -13,9 +13,12 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from gcfamily.core.cgroup import cgroup_quota
+from gcfamily.errors import GcfError
 
 BUSY_FROM = 0.8
 """A core counts as busy once this share of it was in use over the window: a process that spins on a core reads 0.95-1.0
@@ -44,7 +47,12 @@ def counted_busy(busy: float) -> int:
 
 
 def choose_threads(
-    affinity: int, busy: Optional[float], given: Optional[int], current: int, local_world_size: int = 1
+    affinity: int,
+    busy: Optional[float],
+    given: Optional[int],
+    current: int,
+    local_world_size: int = 1,
+    omp: Optional[str] = None,
 ) -> tuple[int, str]:
     """The thread count of a run, and the sentence that says why.
 
@@ -55,16 +63,20 @@ def choose_threads(
         current: torch's count before the run (OMP_NUM_THREADS, the program's torch.set_num_threads, or torch's default of
             one per physical core); auto never goes above it, so a user's OMP_NUM_THREADS=1 stays 1.
         local_world_size: processes of the run on this machine (torchrun's LOCAL_WORLD_SIZE): they share the free cores.
+        omp: OMP_NUM_THREADS as set (None: not set), named only when it is what held torch to fewer threads.
     """
     if given is not None:
         return given, f"threads={given} as given: {_plural(given, 'thread')}"
     share = max(1, affinity // local_world_size)  # the most threads=N that makes sense here
     each = " each" if local_world_size > 1 else ""
+    set_by = f"OMP_NUM_THREADS={omp}" if omp is not None else "the program's own torch.set_num_threads"
+    if share <= 1:
+        shared = f" for {local_world_size} processes of the run" if local_world_size > 1 else ""
+        return 1, f"{_plural(affinity, 'core')} usable here (CPU affinity and quota){shared}: 1 thread{each}"
     if current <= 1:
-        fix = f"; set threads={share} to use {_plural(share, 'core')}" if share > 1 else ""
         return 1, (
-            f"torch was set to 1 thread before the run (OMP_NUM_THREADS=1, or the program's own setting), and auto "
-            f"never goes above it: 1 thread{each}{fix}"
+            f"torch was set to 1 thread before the run ({set_by}), and auto never goes above it: 1 thread{each}; "
+            f"set threads={share} to use {_plural(share, 'core')}"
         )
     if busy is None:
         return current, (
@@ -80,15 +92,23 @@ def choose_threads(
     if local_world_size > 1:
         said += f", {local_world_size} processes of the run on this machine"
     if current < max(1, free):
-        said += f", torch at {current} before the run (OMP_NUM_THREADS or the program's own setting)"
+        said += f", torch at {current} before the run ({set_by})"
     fix = f"set threads={share} to override" if count < share else "set threads=N to choose another count"
     return count, f"{said}: {_plural(count, 'thread')}{each}; {fix}"
 
 
-def resumed_threads(recorded: Optional[int], chosen: int, reason: str, explicit: bool) -> tuple[int, str]:
+def resumed_threads(recorded: Any, chosen: int, reason: str, explicit: bool, cores: int = 1 << 16) -> tuple[int, str]:
     """The count a resumed run continues with: the one its checkpoint recorded (so the continuation stays bitwise equal to
     an uninterrupted run), unless `threads` was given for this start (`explicit`), when `chosen` (from choose_threads, with
-    its `reason`) is kept and a change is said to break bitwise equality."""
+    its `reason`) is kept and a change is said to break bitwise equality. A recorded count that is not a whole number
+    from 1 to `cores` (a checkpoint from a larger machine, or edited) is not taken."""
+    if recorded is not None and not (
+        isinstance(recorded, int) and not isinstance(recorded, bool) and 1 <= recorded <= cores
+    ):
+        return chosen, (
+            f"{reason} (the checkpoint records threads={recorded!r}, not a count from 1 to the {_plural(cores, 'core')} "
+            "usable here, so the continuation is not bitwise equal to an uninterrupted run)"
+        )
     if recorded is None:
         return chosen, (
             f"{reason} (the checkpoint records no thread count: with another count than the run's, the continuation is "
@@ -108,11 +128,14 @@ def resumed_threads(recorded: Optional[int], chosen: int, reason: str, explicit:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its affinity where the system says, else every core."""
+    """The cores this process may run on: its affinity where the system says, else every core; fewer under a cgroup
+    CPU quota (cgroup_quota)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 
 
 def stat_ticks(text: str, cpus: Optional[set[int]]) -> Optional[tuple[int, int, int]]:
@@ -124,7 +147,12 @@ def stat_ticks(text: str, cpus: Optional[set[int]]) -> Optional[tuple[int, int, 
         name, _, rest = line.partition(" ")
         if not (name.startswith("cpu") and name[3:].isdigit()) or (cpus is not None and int(name[3:]) not in cpus):
             continue
-        ticks = [int(x) for x in rest.split()[:8]]
+        fields = rest.split()[:8]
+        if len(fields) < 4 or not all(
+            x.isdigit() for x in fields
+        ):  # a short or garbled line (no real kernel's) counts as none
+            continue
+        ticks = [int(x) for x in fields]
         idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
         busy, total, n = busy + sum(ticks) - idle, total + sum(ticks), n + 1
     return (busy, total, n) if n else None
@@ -161,9 +189,15 @@ def busy_cores(window_s: float = WINDOW_S) -> Optional[float]:
 def decide(given: Optional[int], local_world_size: int = 1) -> Threads:
     """A run's thread count: `given` as is, else choose_threads over this process's cores, torch's count now and how busy
     the cores are (measured only where the choice could be above 1)."""
+    cores = usable_cores()
+    if given is not None and given > cores:
+        raise GcfError(
+            f"threads={given} is more than the {_plural(cores, 'core')} this process may use (its CPU affinity and "
+            f"quota); set threads={cores} or fewer, or threads=auto."
+        )
     current = torch.get_num_threads()
     busy = busy_cores() if given is None and current > 1 else None
-    count, reason = choose_threads(usable_cores(), busy, given, current, local_world_size)
+    count, reason = choose_threads(cores, busy, given, current, local_world_size, os.environ.get("OMP_NUM_THREADS"))
     return Threads(count, reason, busy)
 
 

@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from gcfamily.core.deadline import Overtime, within
 from gcfamily.data.formats import CHAT_FORMATS, Messages, Text, as_kind, is_conversational
 from gcfamily.errors import GcfError
+
+RENDER_S = 10.0
+"""Seconds one conversation may take to render: jinja's sandbox bounds each loop's range, not the work of loops nested
+(two loops of 99,999 render for ever); a real template renders in milliseconds."""
 
 
 def _template_error(e: Exception, given: bool) -> GcfError:
@@ -88,7 +93,18 @@ class Formatter:
     # -- pieces
     def _render(self, messages: Messages, generation_prompt: bool) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+            with within(RENDER_S):
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, tokenize=True
+                )
+        except Overtime as e:
+            fix = (
+                "fix the chat_template setting" if self.template_given else "pass a chat_template that renders quickly"
+            )
+            raise GcfError(
+                f"The chat template did not finish rendering one conversation within {RENDER_S:g} s (loops nested past "
+                f"any real template's work); {fix}."
+            ) from e
         except Exception as e:  # jinja's TemplateError, the sandbox's SecurityError, a template's raise_exception
             raise _template_error(e, self.template_given) from e
         if hasattr(ids, "keys"):

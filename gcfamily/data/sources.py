@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,6 +30,11 @@ FILE_SPLITS = ("train", "test")
 """The split names a single local file answers to (all its rows): train, which the datasets library names a file's
 rows, and test, eval_split's default, so that eval_dataset may be a file; and a slice of train (train[:90%]) of a
 JSON or parquet file, which the datasets library takes. Any other name is refused."""
+MAX_DEPTH = 100
+"""How deeply a row's values may nest (lists and dicts): a conversation with tool calls is about ten deep; a JSON line
+100,000 deep crashed the JSON reader with SIGSEGV, so deeper files are refused before any library reads them."""
+_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')  # a JSON string: it holds no raw newline, so lines can be read apart
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 # trust_remote_code=False is passed to every load_dataset: datasets 4 and later run no loading script, and saying so
 # explicitly keeps any version from running (or asking on stdin to run) a dataset's own code.
 
@@ -52,6 +58,45 @@ def _first_line(e: BaseException) -> str:
     if cause is not None and str(cause).strip() and "error occurred" in line.lower():
         line = f"{line.rstrip('.')}: {str(cause).strip().splitlines()[0][:160]}"
     return line
+
+
+def json_depth(path: Path) -> int:
+    """The deepest nesting of brackets outside strings in a JSON or JSONL file, read in pieces of whole lines (numpy counts,
+    so a large file takes about a second a gigabyte)."""
+    import numpy as np
+
+    deepest = level = 0
+    with open(path, "rb") as f:
+        for lines in iter(lambda: f.readlines(1 << 24), []):
+            brackets = _STRING.sub(b"", b"".join(lines)).translate(None, _NOT_BRACKET)
+            if not brackets:
+                continue
+            steps = np.where(np.frombuffer(brackets, np.uint8) % 4 == 3, 1, -1)  # [ is 91 and { 123; ] is 93 and } 125
+            depth = level + np.cumsum(steps)
+            deepest, level = max(deepest, int(depth.max())), int(depth[-1])
+    return deepest
+
+
+def _check_depth(path: Path) -> None:
+    """Refuse a JSON or JSONL file nested deeper than MAX_DEPTH, in one sentence, before a reader recurses into it."""
+    if path.suffix.lower() in (".json", ".jsonl") and path.is_file() and json_depth(path) > MAX_DEPTH:
+        raise GcfError(
+            f"Dataset file {path} nests values more than {MAX_DEPTH} deep (lists or objects inside one another); a row "
+            "that deep is no real data: fix the file."
+        )
+
+
+def row_depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply a row's lists, tuples and dicts nest, counted without recursion and only up to limit + 1."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (list, tuple, dict)):
+            deepest = max(deepest, depth + 1)
+            if deepest > limit:
+                return deepest
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def describe(source: Any) -> str:
@@ -102,6 +147,7 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
             raise GcfError(
                 f"Dataset file {text} has an unknown type; use .jsonl, .json, .parquet or .csv, or a save_to_disk folder."
             )
+        _check_depth(path)
         sliced = split.startswith("train[") and kind != "csv"  # train[:90%]: datasets' slice of the file's rows
         # a split the file cannot have was a typo, or meant for a hub dataset
         if split not in FILE_SPLITS and not sliced:
@@ -125,6 +171,8 @@ def _load(source: Any, split: str, config: Optional[str]) -> Any:
         try:
             if _from_disk_folder(path):
                 return _pick_split(ds_lib.load_from_disk(str(path)), split, text)
+            for file in sorted(path.rglob("*")):  # the data files load_dataset reads, before it reads them
+                _check_depth(file)
             return ds_lib.load_dataset(str(path), config, split=split, trust_remote_code=False)
         except GcfError:
             raise
@@ -180,4 +228,10 @@ def load_rows(
         raise GcfError(f"Dataset {name} is empty; it needs at least one row.")
     if not all(isinstance(r, dict) for r in rows):
         raise GcfError(f"Dataset {name} must hold rows of named columns (dicts).")
+    deep = next((i for i, r in enumerate(rows) if row_depth(r) > MAX_DEPTH), None)
+    if deep is not None:
+        raise GcfError(
+            f"Row {deep} of dataset {name} nests values more than {MAX_DEPTH} deep (lists or dicts inside one another); "
+            "no real row is that deep: fix the data."
+        )
     return rename_columns(rows, columns, name)

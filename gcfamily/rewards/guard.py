@@ -20,6 +20,9 @@ What a user reward can no longer do to the run:
   the last step; a slower one does not, so that a stop never waits on a reward;
 - hang while importing: the import runs under the same reward_timeout, and one that does not finish
   ends the run in one sentence (before any step, so the run folder is left as it was);
+- block the trainer through the pipe: the trainer's end is read and written without blocking (wire.py), so
+  a reward that writes into the worker's own pipe (a forged 2 GB length header) fails its call's samples,
+  and a reply that never completes meets reward_timeout and the stop flag like a hung reward;
 - block on a pipe it inherited: the worker inherits no descriptor but its own pipe to the trainer
   (close_fds); stdin is /dev/null and stdout and stderr go to an unnamed temporary file, which a write
   never fills, so a reward that prints a lot neither blocks nor holds the trainer's own streams open
@@ -41,7 +44,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from gcfamily.errors import GcfError
-from gcfamily.rewards import calling
+from gcfamily.rewards import calling, wire
 
 POLL_S = 0.1  # how often a waiting call looks at the clock and the stop flag
 _BOOT = (
@@ -77,6 +80,22 @@ def _last_line(output: Any) -> str:
     return calling.shorten(lines[-1].strip()) if lines else ""
 
 
+def _said(reply: tuple) -> bool:
+    """Whether a reply is (kind, sentence): an error, a timeout, a stop or a lost worker."""
+    return len(reply) == 2 and isinstance(reply[1], str)
+
+
+def _answers(reply: tuple, n: int) -> bool:
+    """Whether an "ok" reply holds n values and a dict of sample index -> why it failed, as calling.serve sends."""
+    return (
+        len(reply) == 3
+        and isinstance(reply[1], list)
+        and len(reply[1]) == n
+        and isinstance(reply[2], dict)
+        and all(isinstance(i, int) and isinstance(why, str) for i, why in reply[2].items())
+    )
+
+
 class RewardWorker:
     """A child process that loads `specs` (module:function, file.py:function) and calls them on request."""
 
@@ -85,6 +104,7 @@ class RewardWorker:
         self.timeout = timeout
         self.proc: Optional[subprocess.Popen] = None
         self.conn: Optional[Connection] = None
+        self.wire: Optional[wire.Wire] = None  # the trainer's end of self.conn, read and written without blocking
         self.output: Any = None  # the unnamed file the process's stdout and stderr go to
         self._finalizer: Any = None
         self.starts = 0  # how many processes this worker has run (1 + restarts after a crash or timeout)
@@ -108,12 +128,11 @@ class RewardWorker:
             cwd=os.getcwd(),
         )
         theirs.close()
-        self.conn = mine
+        self.conn, self.wire = mine, wire.Wire(mine.fileno())
         self.starts += 1
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.output)
-        mine.send(("load", self.specs))
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        reply = self._receive(deadline, should_stop)
+        reply = self._send(("load", self.specs), deadline, should_stop)
         names = ", ".join(self.specs)
         if reply[0] == "ready":
             return True
@@ -140,7 +159,7 @@ class RewardWorker:
         """End the process (killed if a reward is still running)."""
         if self._finalizer is not None:
             self._finalizer()
-        self.proc = self.conn = self.output = self._finalizer = None
+        self.proc = self.conn = self.wire = self.output = self._finalizer = None
 
     def _kill(self) -> None:
         if self.proc is not None:
@@ -151,21 +170,36 @@ class RewardWorker:
     def _receive(self, deadline: Optional[float], should_stop: Optional[Callable[[], bool]]) -> tuple:
         """The next reply, or (kind, why) with kind "lost" when the process ended, "timeout" when the deadline passed
         and "stopping" when a stop was asked for."""
-        assert self.conn is not None and self.proc is not None
+        assert self.wire is not None and self.proc is not None
         while True:
-            if self.conn.poll(POLL_S):
+            try:
+                reply = self.wire.receive(POLL_S)
+            except EOFError:  # os._exit, a crash or a kill: the pipe closed (or the reward closed it and runs on)
                 try:
-                    return self.conn.recv()
-                except (EOFError, OSError):  # os._exit, a crash or a kill: the pipe closed
-                    code = self.proc.wait()
-                    return (
-                        "lost",
-                        f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)",
-                    )
+                    code: Any = self.proc.wait(timeout=1)
+                except subprocess.TimeoutExpired:
+                    code = "none yet"
+                return ("lost", f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)")
+            except wire.Garbled as e:  # the reward wrote into the worker's pipe
+                return ("lost", f"wrote into the reward worker's pipe to the trainer ({e})")
+            if isinstance(reply, tuple) and reply and (reply[0] in ("ready", "ok") or _said(reply)):
+                return reply
+            if reply is not None:
+                return ("lost", "wrote into the reward worker's pipe to the trainer (a message that is no reply)")
             if deadline is not None and time.monotonic() > deadline:
                 return ("timeout", f"did not return within reward_timeout={self.timeout:g} s")
             if should_stop is not None and should_stop():
                 return ("stopping", "was abandoned because the run is stopping")
+
+    def _send(self, message: tuple, deadline: Optional[float], should_stop: Optional[Callable[[], bool]]) -> tuple:
+        """Send a request and wait for its reply (_receive's kinds); a worker that does not read it in time is "timeout"."""
+        assert self.wire is not None
+        while not self.wire.send(message, POLL_S if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() > deadline:
+                return ("timeout", f"did not return within reward_timeout={self.timeout:g} s")
+            if should_stop is not None and should_stop():
+                return ("stopping", "was abandoned because the run is stopping")
+        return self._receive(deadline, should_stop)
 
     def call(
         self,
@@ -181,13 +215,16 @@ class RewardWorker:
         n = len(completions)
         if self.proc is None and not self.start(should_stop):  # the last call killed or lost it; a stop came first
             return [None] * n, {i: "was abandoned because the run is stopping" for i in range(n)}
-        assert self.conn is not None
-        self.conn.send(("call", spec, name, prompts, completions, completion_ids, columns))
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        reply = self._receive(deadline, should_stop)
-        if reply[0] == "ok":
+        reply = self._send(("call", spec, name, prompts, completions, completion_ids, columns), deadline, should_stop)
+        if reply[0] == "ok" and _answers(reply, n):
             return reply[1], reply[2]
         if reply[0] == "gcf_error":
             raise GcfError(reply[1])
-        self._kill()  # hung, stopping or already dead: the next call gets a fresh process
-        return [None] * n, {i: reply[1] for i in range(n)}
+        self._kill()  # hung, stopping, already dead or garbled: the next call gets a fresh process
+        why = (
+            reply[1]
+            if _said(reply)
+            else "sent the trainer a reply of the wrong shape (it wrote into the worker's pipe)"
+        )
+        return [None] * n, {i: why for i in range(n)}

@@ -133,7 +133,9 @@ def resumed_threads(cfg: Config, state: dict[str, Any], chosen: threads.Threads)
     """The thread count a resume continues with: the one the run recorded (thread counts change float rounding), unless
     threads is given; set now when it differs from the count chosen at the start."""
     explicit = isinstance(cfg.threads, int) or "threads" in cfg.explicit
-    count, reason = threads.resumed_threads(state.get("threads"), chosen.count, chosen.reason, explicit)
+    count, reason = threads.resumed_threads(
+        state.get("threads"), chosen.count, chosen.reason, explicit, threads.usable_cores()
+    )
     if count != chosen.count:
         threads.apply(count)
     return dataclasses.replace(chosen, count=count, reason=reason)

@@ -205,6 +205,22 @@ class SampledEval:
 
 
 @torch.no_grad()
+def check_fits(model: Any, rows: int, max_new_tokens: int, what: str) -> None:
+    """Refuse, in one sentence, a generation of `rows` rows at once whose key-value cache alone (float32, max_new_tokens
+    + 1 positions) would not fit this machine's memory: `--maj-k 1000000` tried to allocate 94 GB."""
+    from gcfamily.models.safety import machine_memory
+
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 1) or 1
+    width = getattr(config, "hidden_size", 1) or 1
+    need, memory = rows * (max_new_tokens + 1) * 2 * layers * width * 4, machine_memory()
+    if need > memory:
+        raise GcfError(
+            f"{what} samples {rows:,} completions of up to {max_new_tokens} tokens at once, whose cache alone needs "
+            f"{need / 2**30:,.0f} GiB, more than this machine's {memory / 2**30:,.0f} GiB; lower it."
+        )
+
+
 def sampled_eval(
     model: Any,
     formatter: Formatter,
@@ -226,6 +242,7 @@ def sampled_eval(
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, generate
 
+    check_fits(model, min(batch_prompts, len(rows)) * k, max_new_tokens, f"--maj-k {k}")
     data = encode("prompts", rows, formatter, 1 << 30, "skip", "evaluation")
     rewards = as_rewards(reward)
     model.eval()
