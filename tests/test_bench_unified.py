@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gcfamily.bench.unified import FINDINGS, STAGE, UNIFIED, findings_table, verdict
+from gcfamily.bench.findings import FINDINGS, STAGE, findings_table, verdict
+from gcfamily.bench.unified import UNIFIED
 from gcfamily.errors import GcfError
 
 
@@ -64,10 +65,12 @@ def test_quick_unified_suite_end_to_end(tmp_path: Path) -> None:
 
 def test_verdicts() -> None:
     def d(lo: float, hi: float) -> dict:
-        return {"diff": (lo + hi) / 2, "lo": lo, "hi": hi, "p_value": 0.5}
+        return {"diff": (lo + hi) / 2, "lo": lo, "hi": hi, "p_value": 0.5, "mdd": 0.15}
 
     assert verdict(d(0.01, 0.2)) == "holds" and verdict(d(-0.2, -0.01)) == "reversed"
-    assert verdict(d(-0.1, 0.1)) == "not significant" and verdict(None) == "not measured"
+    assert verdict(d(-0.1, 0.1)) == "not significant; no difference as large as the MDD 0.150"
+    assert verdict(d(-0.1, 0.2)) == "not significant; inconclusive: could not have detected less than 0.150"
+    assert verdict(None) == "not measured"
     assert verdict(d(-0.1, 0.1), want_positive=False).startswith("holds")  # (4b): no significant Pass@K gain
     assert verdict(d(0.05, 0.1), want_positive=False).startswith("does not hold")
     table = findings_table(

@@ -63,7 +63,7 @@ def test_detectable_tells_a_ruled_out_difference_from_an_undetectable_one():
     wide = {"significant": False, "lo": -0.08, "hi": 0.12, "mdd": 0.1}
     assert power.detectable(inside) == "no difference as large as the MDD 0.100"
     assert power.detectable(wide) == "inconclusive: could not have detected less than 0.100"
-    assert power.detectable({**wide, "significant": True}) == "significant"
+    assert power.detectable({**wide, "lo": 0.01}) == "significant"
 
 
 def test_the_plan_of_the_unified_bench_reproduces_its_mdd():

@@ -39,7 +39,7 @@ from gcfamily.errors import GcfError
 def detectable(d: dict[str, Any]) -> str:
     """What a difference that is not significant says, from its interval and its MDD (`stats.mdd`): its 95% interval
     inside (-MDD, +MDD) rules out a difference as large as the MDD; otherwise the design could not have seen one below it."""
-    if d["significant"]:
+    if d["lo"] > 0.0 or d["hi"] < 0.0:
         return "significant"
     m = d["mdd"]
     if -m < d["lo"] and d["hi"] < m:
@@ -173,7 +173,7 @@ def recorded_findings(bench_path: Path) -> str:
     bench = json.loads(Path(bench_path).read_text())
     if (bench.get("header") or {}).get("suite") != "unified":
         return ""
-    from gcfamily.bench.unified import findings, findings_table
+    from gcfamily.bench.findings import findings, findings_table
 
     per_method: dict[str, list[dict[str, Any]]] = {}
     for key, r in bench["results"].items():

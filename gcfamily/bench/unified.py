@@ -16,7 +16,7 @@ decoding of the same weights on the same prompts), so its "before" is pi_sft's "
 
 The table (bench.md) gives greedy held-out accuracy, Maj@K and Pass@K with the intervals of the seeds suite, and a
 findings table: each of the paper's four findings with its paired bootstrap difference (over prompts, and seeds when
-there are several) and a verdict: holds (the interval is above 0), not significant, or reversed (below 0).
+there are several), its minimum detectable difference and a verdict (gcfamily/bench/findings.py).
 
     (1) Online RFT beats RFT                          accuracy(rft) - accuracy(rft-offline)
     (2) GRPO (outcome) beats Online RFT               accuracy(grpo) - accuracy(rft)
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gcfamily.bench.findings import STAGE, _per_prompt, findings, findings_table
 from gcfamily.errors import GcfError
 
 _ONPOLICY = {"micro_batch_size": 32}
@@ -111,14 +112,6 @@ UNIFIED: dict[str, dict[str, Any]] = {
 # what pi_sft's final greedy evaluation depends on besides the model: a stage-2 run with the same values takes it as its own
 # evaluation before the first step (the same greedy decoding of the same weights on the same prompts)
 EVAL_KEYS = tuple("task task_seed eval_samples max_new_tokens max_length dtype system_prompt chat_template".split())
-STAGE = "sft-stage"
-FINDINGS = (
-    ("(1) Online RFT beats RFT (online sampling beats offline)", "rft", "rft-offline", "accuracy"),
-    ("(2) GRPO+OS beats Online RFT (a reward-weighted coefficient beats a binary one)", "grpo", "rft", "accuracy"),
-    ("(3) GRPO+PS beats GRPO+OS (process supervision beats outcome supervision)", "grpo-ps", "grpo", "accuracy"),
-    ("(4a) RL raises Maj@K", "grpo", STAGE, "maj"),
-    ("(4b) ... but not Pass@K", "grpo", STAGE, "pass"),
-)
 
 
 def _base(settings: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
@@ -196,91 +189,6 @@ def plans_of(
     rest = {k: p for k, p in plans.items() if "start_eval_from" not in p}
     share_start_evaluations(rest)
     return {"method_spec": "sft", "settings": stage, **measure}, plans
-
-
-def _per_prompt(run: dict[str, Any], figure: str) -> Optional[dict[tuple[int, str], float]]:
-    """A run's per-prompt score: greedy correctness at its last evaluation, or from its k samples Maj@K right / Pass@K;
-    from a bench.json's record (`per_prompt`, keyed by index) where the run is a record rather than a folder."""
-    from gcfamily.bench.seeds import heldout
-
-    if "folder" not in run:
-        kept = (run.get("per_prompt") or {}).get(figure)
-        return {(int(i), ""): float(v) for i, v in kept.items()} if kept else None
-
-    folder = Path(run["folder"])
-    if figure == "accuracy":
-        return heldout(folder)
-    try:
-        extra = json.loads((folder / "bench_child.json").read_text())
-    except (OSError, ValueError):
-        return None
-    rows = extra.get("sampled_per_prompt") or []
-    if figure == "maj":
-        if any(r.get("maj_right") is None for r in rows):
-            return None
-        return {(i, r["prompt"]): float(r["maj_right"]) for i, r in enumerate(rows)} or None
-    return {(i, r["prompt"]): float(r["correct"] > 0) for i, r in enumerate(rows)} or None  # pass@k: any sample right
-
-
-def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], figure: str) -> Optional[dict[str, Any]]:
-    """mean(a) - mean(b) of `figure` with seeds_bootstrap over the prompts every run scored (and the seeds)."""
-    from gcfamily.bench.seeds import paired
-
-    return paired(a, b, score=lambda run: _per_prompt(run, figure))
-
-
-def verdict(d: Optional[dict[str, Any]], want_positive: bool = True) -> str:
-    """holds / reversed / not significant for a difference the paper finds positive, for (4b) (no gain) the reverse;
-    a difference that is not significant says whether the design could have detected one as large as its MDD
-    (bench/power.py's `detectable`)."""
-    from gcfamily.bench.power import detectable
-
-    if d is None:
-        return "not measured"
-    if not want_positive:
-        if d["lo"] > 0.0:
-            return "does not hold (a significant gain)"
-        return "holds (no significant gain)" if d["hi"] < 0.0 else f"no significant gain; {detectable(d)}"
-    return "holds" if d["lo"] > 0.0 else ("reversed" if d["hi"] < 0.0 else f"not significant; {detectable(d)}")
-
-
-def findings(per_method: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The four findings: each difference, its interval and its verdict."""
-    out = []
-    for label, a, b, figure in FINDINGS:
-        d = paired_difference(per_method.get(a, []), per_method.get(b, []), figure)
-        out.append(
-            {
-                "finding": label,
-                "a": a,
-                "b": b,
-                "figure": figure,
-                "difference": d,
-                "verdict": verdict(d, label[:4] != "(4b)"),
-            }
-        )
-    return out
-
-
-def findings_table(rows: list[dict[str, Any]]) -> str:
-    from gcfamily.bench.report import fmt
-
-    lines = [
-        "| finding | difference | 95% interval | p | MDD | verdict |",
-        "|---|---|---|---|---|---|",
-    ]
-    names = {"accuracy": "greedy accuracy", "maj": "Maj@K", "pass": "Pass@K"}
-    for r in rows:
-        d = r["difference"]
-        what = f"{names[r['figure']]}: {r['a']} - {r['b']}"
-        if d is None:
-            lines.append(f"| {r['finding']} ({what}) | - | - | - | - | {r['verdict']} |")
-        else:
-            lines.append(
-                f"| {r['finding']} ({what}) | {fmt(d['diff'], '+.3f')} | [{fmt(d['lo'], '+.3f')}, {fmt(d['hi'], '+.3f')}] "
-                f"| {fmt(d['p_value'], '.3f')} | {fmt(d.get('mdd'), '.3f')} | {r['verdict']} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 def _times(header: dict[str, Any]) -> str:
