@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from gcfamily.bench import power
 from gcfamily.bench.command import bench
-from gcfamily.core.stats import mdd, seeds_bootstrap
+from gcfamily.core.stats import detectable, mdd, seeds_bootstrap
 from gcfamily.errors import GcfError
 
 BENCH = power.__file__.rsplit("/gcfamily/", 1)[0] + "/docs/bench/unified/bench.json"
@@ -61,9 +61,9 @@ def test_the_bootstrap_reports_the_mdd_of_its_design():
 def test_detectable_tells_a_ruled_out_difference_from_an_undetectable_one():
     inside = {"significant": False, "lo": -0.05, "hi": 0.06, "mdd": 0.1}
     wide = {"significant": False, "lo": -0.08, "hi": 0.12, "mdd": 0.1}
-    assert power.detectable(inside) == "no difference as large as the MDD 0.100"
-    assert power.detectable(wide) == "inconclusive: could not have detected less than 0.100"
-    assert power.detectable({**wide, "lo": 0.01}) == "significant"
+    assert detectable(inside) == "no difference as large as the MDD 0.100"
+    assert detectable(wide) == "inconclusive: could not have detected less than 0.100"
+    assert detectable({**wide, "lo": 0.01}) == "significant"
 
 
 def test_the_plan_of_the_unified_bench_reproduces_its_mdd():

@@ -1,6 +1,6 @@
 """The unified suite's four findings (DeepSeekMath 5.2.2): each difference, its interval, its minimum detectable
 difference (MDD) and its verdict: holds (the interval is above 0), reversed (below 0), or not significant, then either no
-difference as large as the MDD or inconclusive (bench/power.py's `detectable`).
+difference as large as the MDD or inconclusive (core/stats.py: `detectable`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], figure: 
 def verdict(d: Optional[dict[str, Any]], want_positive: bool = True) -> str:
     """holds / reversed / not significant for a difference the paper finds positive, for (4b) (no gain) the reverse;
     a difference that is not significant says whether the design could have detected one as large as its MDD
-    (bench/power.py's `detectable`)."""
-    from gcfamily.bench.power import detectable
+    (core/stats.py: `detectable`)."""
+    from gcfamily.core.stats import detectable
 
     if d is None:
         return "not measured"

@@ -36,17 +36,6 @@ from gcfamily.core.stats import mdd
 from gcfamily.errors import GcfError
 
 
-def detectable(d: dict[str, Any]) -> str:
-    """What a difference that is not significant says, from its interval and its MDD (`stats.mdd`): its 95% interval
-    inside (-MDD, +MDD) rules out a difference as large as the MDD; otherwise the design could not have seen one below it."""
-    if d["lo"] > 0.0 or d["hi"] < 0.0:
-        return "significant"
-    m = d["mdd"]
-    if -m < d["lo"] and d["hi"] < m:
-        return f"no difference as large as the MDD {m:.3f}"
-    return f"inconclusive: could not have detected less than {m:.3f}"
-
-
 @dataclass
 class Components:
     """The variance components of a per-prompt 0/1 score, and the design they were measured at."""

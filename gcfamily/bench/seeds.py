@@ -18,9 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gcfamily.bench.power import detectable
 from gcfamily.bench.report import fmt
-from gcfamily.core.stats import mean_interval, seeds_bootstrap, wilson
+from gcfamily.core.stats import detectable, mean_interval, seeds_bootstrap, wilson
 
 FIGURES = (
     "accuracy_before",

@@ -263,6 +263,17 @@ def mdd(se: float, confidence: float = 0.95, power: float = 0.8) -> float:
     return (_z(confidence) + NormalDist().inv_cdf(power)) * se
 
 
+def detectable(d: dict) -> str:
+    """What a difference that is not significant says, from its interval and its MDD (`stats.mdd`): its 95% interval
+    inside (-MDD, +MDD) rules out a difference as large as the MDD; otherwise the design could not have seen one below it."""
+    if d["lo"] > 0.0 or d["hi"] < 0.0:
+        return "significant"
+    m = d["mdd"]
+    if -m < d["lo"] and d["hi"] < m:
+        return f"no difference as large as the MDD {m:.3f}"
+    return f"inconclusive: could not have detected less than {m:.3f}"
+
+
 def _percentile_result(means: np.ndarray, diff: float, confidence: float, n: int) -> dict:
     """The percentile interval of resampled mean differences, the two-sided p-value, the significance mark, the
     bootstrap standard error and the minimum detectable difference at 80% power (`mdd`)."""

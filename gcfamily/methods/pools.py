@@ -134,7 +134,7 @@ def _is_int(x: Any, below: Optional[int]) -> bool:
 def _sample_ok(row: Any, n_prompts: int, vocab: Optional[int]) -> bool:
     if not isinstance(row, dict) or any(c not in row for c in COLUMNS):
         return False
-    ids, r = row["completion_ids"], row["rewards"]
+    ids, r, ok = row["completion_ids"], row["rewards"], row.get("valid")  # a pool line, not a batch
     return (
         _is_int(row["prompt_index"], n_prompts)
         and isinstance(ids, list)
@@ -143,7 +143,7 @@ def _sample_ok(row: Any, n_prompts: int, vocab: Optional[int]) -> bool:
         and isinstance(r, (int, float))
         and not isinstance(r, bool)
         and math.isfinite(r)
-        and isinstance(row["valid"], bool)
+        and isinstance(ok, bool)
     )
 
 
