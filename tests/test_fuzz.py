@@ -262,6 +262,13 @@ def _garbage(rng: random.Random, good: bytes) -> list[bytes]:
     cut = [good[: rng.randint(0, max(0, len(good) - 1))] for _ in range(3)] if good else []
     noise = [bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))) for _ in range(3)]
     shapes = [b"[]", b"1", b"null", b'"x"', b"{}", b'{"a": NaN}', b"1e999", b'{"step": "x"}', b'{"owns": [1]}']
+    # a run record crafted to reach outside its folder (issue 49): the fuzz checks nothing outside is touched
+    shapes += [
+        b'{"owns": ["*", "**", "../outside.txt", "/etc"]}',
+        b'{"pending": {"dest": "..", "names": ["../outside.txt"]}}',
+        b'{"pending": {"dest": "checkpoints/replaced-at-step-1", "names": ["../../outside.txt", "/tmp", "."]}}',
+        b'{"pending": {"dest": "/tmp", "names": ["checkpoints"]}, "owns": ["checkpoints"]}',
+    ]
     return [
         b"",
         *noise,
@@ -295,11 +302,12 @@ def checkpoint_template(tmp_path_factory) -> Path:
 def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
     """file -> (its path in `run`, what reads it as a run does)."""
     from gcfamily.config.io import load_yaml, read
+    from gcfamily.methods.pools import Pool
     from gcfamily.models import tiny_model, tiny_tokenizer
     from gcfamily.run import checkpoint_format as checkpoint
     from gcfamily.run.folder.lock import LOCK, RunLock
-    from gcfamily.run.folder.ownership import holds_run, read_record
-    from gcfamily.run.folder.resuming import settings_of, truncate_logs
+    from gcfamily.run.folder.ownership import RECORD, holds_run, owned_entries, read_record
+    from gcfamily.run.folder.resuming import finish_pending, settings_of, truncate_logs
 
     step = run / "checkpoints" / "step-1"
 
@@ -320,6 +328,15 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
     def state() -> None:
         checkpoint.load(step, tiny_model(len(tiny_tokenizer())))
 
+    def run_record() -> None:  # what a start does with the record: read it, list what it owns, finish a pending move
+        held = read_record(run)
+        owned_entries(run, held)
+        if held is not None:
+            finish_pending(run, held)
+
+    def pool() -> None:
+        Pool.load(run / "pools" / "rft-offline.jsonl", POOL_PROMPTS, vocab=100)
+
     def recipe() -> None:
         load_yaml(str(run / "recipe.yaml"))
         read(str(run / "recipe.yaml"), {})
@@ -331,11 +348,26 @@ def _readers(run: Path) -> dict[str, tuple[Path, Callable[[], Any]]]:
         "manifest.json": (step / checkpoint.MANIFEST, manifest),
         "state.pt": (step / "state.pt", state),
         "recipe.yaml": (run / "recipe.yaml", recipe),
+        ".gcf-run.json": (run / RECORD, run_record),
+        "pool": (run / "pools" / "rft-offline.jsonl", pool),
     }
 
 
+POOL_PROMPTS = [[5, 6, 7], [8, 9]]
+
+
 @pytest.mark.parametrize(
-    "name", [".gcf.lock", "run_config.json", "metrics.jsonl", "manifest.json", "state.pt", "recipe.yaml"]
+    "name",
+    [
+        ".gcf.lock",
+        "run_config.json",
+        "metrics.jsonl",
+        "manifest.json",
+        "state.pt",
+        "recipe.yaml",
+        ".gcf-run.json",
+        "pool",
+    ],
 )
 def test_fuzz_files_a_run_reads(checkpoint_template, tmp_path, name):
     rng = random.Random(f"{SEED}/{name}")
@@ -344,14 +376,34 @@ def test_fuzz_files_a_run_reads(checkpoint_template, tmp_path, name):
     if name == "recipe.yaml":
         (run / name).write_text("method: sft\nmodel: tiny\nlr: 1.0e-4\ntask_options: {level: 1d-add}\n")
     path, reader = _readers(run)[name]
+    if name == "pool":  # a pool as a run writes it: two samples of each of the two prompts
+        from gcfamily.methods.pools import Pool
+
+        drawn = Pool(
+            [0, 0, 1, 1], [[1, 2], [3], [4, 5, 6], [7]], ["a", "b", "c", "d"], [1.0, 0.0, 0.5, 1.0], [True] * 4
+        )
+        drawn.save(path, POOL_PROMPTS)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's")
     good = path.read_bytes() if path.is_file() else b'{"pid": 1}'
     tally = Tally()
-    for i, contents in enumerate(_garbage(rng, good)):
+    cases = _garbage(rng, good)
+    if name == ".gcf-run.json":  # seeded random records of the record's own keys
+        keys = ["owns", "pending", "segments", "pid", "started", "dest", "names"]
+        cases += [
+            json.dumps({k: _random_py(rng) for k in rng.sample(keys, rng.randint(1, 4))}, default=str).encode()
+            for _ in range(40)
+        ]
+    for i, contents in enumerate(cases):
         shutil.rmtree(run)
         shutil.copytree(checkpoint_template, run)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(contents)
         tally.run(f"{name} case {i} ({contents[:24]!r})", reader)
+        assert outside.read_text() == "the user's" and sorted(p.name for p in tmp_path.iterdir()) == [
+            "outside.txt",
+            "run",
+        ]
     line = tally.report(f"{name} garbage")
     assert sum(tally.counts.values()) >= 15
     assert not tally.tracebacks, f"{line}:\n" + "\n".join(tally.tracebacks[:20])
