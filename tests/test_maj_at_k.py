@@ -175,7 +175,7 @@ class _Tok:  # characters in, enough to encode prompts (generate is replaced bel
 
 
 def _fake_generate(monkeypatch, completions, calls):
-    import gcfamily.rollout as rollout
+    import gcfamily.rollout.native as rollout  # the native backend samples through it
 
     def generate(model, tokenizer, prompt_ids, num_samples, settings, generator=None):
         calls.append((len(prompt_ids), num_samples, settings.temperature))

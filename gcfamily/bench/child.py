@@ -108,7 +108,7 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
     import torch
 
     from gcfamily.models import load_model
-    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.rollout import SamplingSettings, build_backend
 
     cfg = trainer.cfg
     rows, _ = heldout_prompts(trainer, n_prompts)
@@ -116,9 +116,7 @@ def kl_to_reference(trainer: Any, n_prompts: int) -> Optional[float]:
         return None
     policy = trainer.unwrapped_policy().eval()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ro = generate(
-        policy,
-        trainer.tokenizer,
+    ro = build_backend("native", policy, trainer.tokenizer).generate(
         [trainer.formatter.prompt_ids(r["prompt"]) for r in rows],
         1,
         SamplingSettings(temperature=1.0, max_new_tokens=cfg.max_new_tokens),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -24,8 +23,9 @@ import torch
 from gcfamily.config import Config
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import GENERATED, Batch, Method, Stats
+from gcfamily.methods.samples import sample_scored
 from gcfamily.methods.services import Services
-from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, as_rewards, reward_specs
+from gcfamily.rewards import RewardFailure, RewardFn, Rewards, Term, reward_specs
 from gcfamily.rollout import SamplingSettings, context_length
 
 
@@ -85,22 +85,14 @@ class OnPolicy(Method):
         G = cfg.group_size
         idx = self.step_indices(len(self.rows), step)  # whole groups stay on one rank
         rows = [self.rows[i] for i in idx]
-        ro = services.generate([self.prompt_tokens[i] for i in idx], G, self.sampling)
-        # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
-        prompts = [r["prompt"] for r in rows for _ in range(G)]
-        columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
-        # TRL's completion_ids: sampled tokens, EOS included
-        ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]
-        stopping = services.stop_requested  # SIGTERM/Ctrl-C: a running user reward is abandoned
-        t0 = time.perf_counter()
-        scored = as_rewards(self.reward_fn).score(prompts, ro.completions, ids, columns, should_stop=stopping)
-        reward_s = time.perf_counter() - t0
+        got = sample_scored(services, [self.prompt_tokens[i] for i in idx], rows, G, self.sampling, self.reward_fn)
+        ro, prompts, ids, scored, reward_s = got.rollout, got.prompts, got.completion_ids, got.scores, got.reward_s
         rewards, valid, errors = scored.rewards, scored.valid, scored.errors  # [N], [N]
         if not self.reads_steps:
             scored.require_outcome(self.name)
         # Every sample failed? Decided over all processes: one rank's failures alone leave it a step without gradient,
         # and a run that is stopping anyway (its samples abandoned) stops at its checkpoint instead.
-        counts = services.all_sum(torch.tensor([float(valid.sum()), float(stopping())]))
+        counts = services.all_sum(torch.tensor([float(valid.sum()), float(services.stop_requested())]))
         if len(valid) and counts[0] == 0 and counts[1] == 0:
             raise RewardFailure(scored.failure_message())
         ok = valid.float()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gcfamily.errors import GcfError
+from gcfamily.methods.samples import sample_scored
 from gcfamily.methods.services import Services
 from gcfamily.rewards import as_rewards
 from gcfamily.rollout import SamplingSettings
@@ -161,21 +162,13 @@ def draw(
     pool, rewards = Pool(), as_rewards(reward_fn)
     for s in range(0, len(prompt_ids), chunk):
         part = list(range(s, min(s + chunk, len(prompt_ids))))
-        ro = services.generate([prompt_ids[i] for i in part], G, sampling)
-        prompts = [rows[i]["prompt"] for i in part for _ in range(G)]
-        columns = {
-            k: [rows[i].get(k) for i in part for _ in range(G)]
-            for k in rows[part[0]]
-            if k not in ("prompt", "completion")
-        }
-        ids = [row[keep].tolist() for row, keep in zip(ro.input_ids, ro.completion_mask.bool())]
-        scored = rewards.score(prompts, ro.completions, ids, columns, should_stop=services.stop_requested)
-        scored.require_outcome("a pool of the initial policy's samples")
+        got = sample_scored(services, [prompt_ids[i] for i in part], [rows[i] for i in part], G, sampling, rewards)
+        got.scores.require_outcome("a pool of the initial policy's samples")
         pool.prompt_index += [i for i in part for _ in range(G)]
-        pool.completion_ids += ids
-        pool.completions += list(ro.completions)
-        pool.rewards += [float(r) for r in scored.rewards.tolist()]
-        pool.valid += [bool(v) for v in scored.valid.tolist()]
+        pool.completion_ids += got.completion_ids
+        pool.completions += list(got.rollout.completions)
+        pool.rewards += [float(r) for r in got.scores.rewards.tolist()]
+        pool.valid += [bool(v) for v in got.scores.valid.tolist()]
     return pool
 
 

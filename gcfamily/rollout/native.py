@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,7 @@ class Rollout:
     completion_lengths: torch.Tensor  # [N] long
     completions: list[str]  # decoded completion text (special tokens skipped, cut after a stop string)
     prompt_index: torch.Tensor  # [N] which prompt each row came from
+    ended_by: list[str] = field(default_factory=list)  # [N] "eos", "stop" (a stop string) or "length" (max_new_tokens)
 
 
 _SHARE_MIN = 8  # a common prompt prefix shorter than this is prefilled with the rest of each prompt
@@ -344,4 +345,8 @@ def _assemble(tokenizer, prompt, prompt_mask, G, tokens, logps, lengths, ended, 
         completion_lengths=lengths,
         completions=[x[:e] if (e := _first_stop(x, stops)) >= 0 else x for x in texts],
         prompt_index=torch.arange(N, device=tokens.device) // G,
+        ended_by=[
+            "length" if not end else "stop" if _first_stop(x, stops) >= 0 else "eos"
+            for x, end in zip(texts, ended.tolist())
+        ],
     )

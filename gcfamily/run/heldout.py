@@ -61,20 +61,21 @@ def evaluate_rows(
     `correct` too where accuracy is reported), what `gcf bench` pairs across methods and seeds.
     """
     from gcfamily.rewards import as_rewards
-    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.rollout import SamplingSettings, build_backend
 
     data = encode("prompts", rows[: n if n is not None else len(rows)], formatter, 1 << 30, "skip", "evaluation")
     rewards = as_rewards(reward)
     checks = [t.name for t in rewards.terms if t.correctness]
     counted = bool(accuracy) or (accuracy is None and bool(checks))
     model.eval()
+    sampler = build_backend("native", model, formatter.tokenizer)  # the rollout interface, as a run's sampling
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
     total, ok, correct = 0.0, 0, 0
     each = {t.name: [0.0, 0] for t in rewards.terms}  # name -> [sum of its valid values, samples it scored]
     with packed_linears(model, batch_size):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_size):
             part = data.rows[s : s + batch_size]
-            out = generate(model, formatter.tokenizer, data.examples[s : s + batch_size], 1, settings)
+            out = sampler.generate(data.examples[s : s + batch_size], 1, settings)
             columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
             scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
             for name, (r_k, ok_k) in scored.per_reward.items():
@@ -240,12 +241,13 @@ def sampled_eval(
     SmolLM2-135M (2 threads), 8 x 8 43-48 s."""
     from gcfamily.core.stats import pass_at_k
     from gcfamily.rewards import as_rewards
-    from gcfamily.rollout import SamplingSettings, generate
+    from gcfamily.rollout import SamplingSettings, build_backend
 
     check_fits(model, min(batch_prompts, len(rows)) * k, max_new_tokens, f"--maj-k {k}")
     data = encode("prompts", rows, formatter, 1 << 30, "skip", "evaluation")
     rewards = as_rewards(reward)
     model.eval()
+    sampler = build_backend("native", model, formatter.tokenizer)  # the rollout interface, as a run's sampling
     settings = SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens)
     gen = torch.Generator().manual_seed(seed)
     correct: list[list[bool]] = []  # [prompts][k]
@@ -253,7 +255,7 @@ def sampled_eval(
     with packed_linears(model, batch_prompts * k):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_prompts):
             part = data.rows[s : s + batch_prompts]
-            out = generate(model, formatter.tokenizer, data.examples[s : s + batch_prompts], k, settings, gen)
+            out = sampler.generate(data.examples[s : s + batch_prompts], k, settings, gen)
             columns = {
                 key: [r.get(key) for r in part for _ in range(k)]
                 for key in part[0]

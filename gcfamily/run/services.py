@@ -12,7 +12,7 @@ from torch import nn
 from gcfamily.core import engine
 from gcfamily.methods.services import LocalServices
 from gcfamily.models import lora
-from gcfamily.rollout import Rollout, SamplingSettings, generate
+from gcfamily.rollout import Rollout, SamplingSettings
 from gcfamily.run.view import TrainerView
 
 
@@ -91,7 +91,7 @@ class RunServices(LocalServices):
         try:
             # FSDP2: gathered, then freed
             with t.dist.full_parameters(t.policy) if t.dist is not None else contextlib.nullcontext():
-                return generate(policy, t.tokenizer, prompt_ids, group_size, sampling, t.generator)
+                return t.rollout.generate(prompt_ids, group_size, sampling, t.generator)
         finally:
             policy.train(was_training)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ from gcfamily.core.engine import gc_stats
 from gcfamily.core.memory import release_free_heap
 from gcfamily.core.precision import Precision
 from gcfamily.data.batches import split_batch
-from gcfamily.errors import GcfError
+from gcfamily.errors import GcfError, Interrupted
 from gcfamily.methods.base import Batch, Method
 from gcfamily.run import checkpoint_format
 from gcfamily.run.distributed import DistEnv
@@ -202,4 +203,13 @@ def refuse_untrained(step: int, trained_steps: int, first_bad_step: int | None) 
     raise GcfError(
         f"Every step of this run ({step}) {why}, so nothing was trained and no model was written (lower lr, "
         "or check the data and the method's coefficient)."
+    )
+
+
+def interrupted(signal_name: str, at: int) -> Interrupted:
+    """The stop a signal asked for, after the checkpoint of step `at`: one sentence, exit 128 + the signal's number."""
+    code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+    return Interrupted(
+        f"Stopped by {signal_name} at step {at}; a checkpoint was saved: continue with the same command plus --resume.",
+        code,
     )

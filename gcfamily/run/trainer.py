@@ -20,10 +20,11 @@ from gcfamily.core import engine, onednn, precision, threads
 from gcfamily.core.batch import select
 from gcfamily.core.memory import peak_memory_mb
 from gcfamily.data.batches import split_batch
-from gcfamily.errors import GcfError, Interrupted, install_stop_handlers
+from gcfamily.errors import GcfError, install_stop_handlers
 from gcfamily.methods import get_method
 from gcfamily.methods.base import GENERATED, Batch, Method
 from gcfamily.models import lora
+from gcfamily.rollout import build_backend
 from gcfamily.run import build, checkpoint_format, console, curves, step
 from gcfamily.run.budget import Budget
 from gcfamily.run.distributed import DistEnv
@@ -104,6 +105,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
         self.policy, self.tokenizer, self.formatter = build.build_policy(cfg, model, self.precision, self.device)
+        self.rollout = build_backend("native", self.unwrapped_policy(), self.tokenizer)  # every sampling path's engine
         self.evaluation = Evaluation(
             cfg,
             self.method_cls,
@@ -235,6 +237,7 @@ class Trainer:
         self.bad_steps = 0
         self.trained_steps += 1
         gn = step.apply(params, self.optimizer, self.scheduler, cfg.grad_clip, self.dist)
+        self.rollout.weights_changed()
         return {"loss": loss_total, "grad_norm": gn, "tokens": float(n_tok), "skipped": 0.0, **metrics}
 
     def auxiliary_only_step(self, mbs: list[Batch]) -> dict[str, float]:
@@ -266,6 +269,7 @@ class Trainer:
             stack.callback(self.folder.lock.release)
             stack.callback(threads.apply, self.threads_before)  # the program's own count again once the run ends
             stack.callback(self.logger.close)
+            stack.callback(self.rollout.close)
             stack.callback(install_stop_handlers(self._on_signal))
             bar = self._bar = stack.enter_context(
                 console.progress_bar(cfg.progress and self.is_main, self.max_steps, self.step, f"{cfg.method}")
@@ -348,11 +352,7 @@ class Trainer:
             self.save_checkpoint()
         if self._stop:
             self.save_checkpoint()
-            code = 128 + int(getattr(signal, self._stop, signal.SIGTERM))
-            raise Interrupted(
-                f"Stopped by {self._stop} at step {self.step}; a checkpoint was saved: continue with the same command plus --resume.",
-                code,
-            )
+            raise step.interrupted(self._stop, self.step)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         """A row of metrics; the first this start writes also holds its thread count (and the busy cores it measured)."""
