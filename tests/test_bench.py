@@ -378,12 +378,15 @@ def test_sigterm_to_bench_stops_the_running_method_at_a_checkpoint(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     metrics = out / "sft" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+    # wait for the method to be training (its stop handler installed), however long a loaded machine takes to get
+    # there: sending SIGTERM earlier, as a fixed deadline did, raced the child's start; the limit only guards a hang
+    deadline = time.monotonic() + 1800
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the sft run logged no 3 steps in 30 minutes"
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=1800)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
         "error: Stopped by SIGTERM while sft was running"

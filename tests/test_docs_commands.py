@@ -236,3 +236,31 @@ def test_a_failing_block_fails_naming_it(tmp_path: Path):
         run_blocks(doc, work)
     assert "never" not in str(e.value).split("--- stdout")[1]
     assert (work / "runs" / "x").is_dir() and not (ROOT / "runs" / "x").exists()
+
+
+def test_usage_sample_summary_is_what_gcf_run_prints_now(gcf, tmp_path, monkeypatch):
+    """docs/usage.md's sample run summary is the current format: the command it names, run here, prints the same lines
+    (the seconds aside)."""
+    text = (ROOT / "docs" / "usage.md").read_text()
+    command = re.search(r"of `(gcf run [^`]+)`", text).group(1)
+    sample = re.search(r"```\n(done: .*?)\n```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = gcf(*command.split()[1:], "--set", "progress=false")
+    assert code == 0, err
+
+    def seconds_aside(s: str) -> str:
+        return re.sub(r"in [0-9.]+ s", "in N s", s.strip())
+
+    assert seconds_aside(out) == seconds_aside(sample)
+
+
+def test_no_doc_carries_an_absolute_path_of_a_machine():
+    """README.md and every file under docs/ (pages, bench records) name paths relative to the repository or a run."""
+    machine = re.compile(r"(?<![\w.])/(?:work|tmp|home|Users|root|mnt|scratch)/[\w.-]")
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*"))]:
+        if path.is_file() and path.suffix in (".md", ".json", ".txt", ".yaml"):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if machine.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "\n".join(found[:10])

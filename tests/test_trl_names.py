@@ -212,3 +212,33 @@ def test_the_console_says_an_evaluation_runs_and_where_the_curves_are(gcf, tmp_p
     assert f"tensorboard: tensorboard --logdir {out / 'tensorboard'}" in stdout
     assert f"curves: {out / 'curves.png'}" in stdout
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # an image, whole
+
+
+def test_the_packing_answer_says_what_the_engine_does_and_the_engine_does_it(gcf, tmp_path, monkeypatch):
+    """--packing and --padding_free are answered with what gcfamily always does (not 'no equivalent'), and a training
+    step's log-prob pass does pack its rows: fewer columns through the model than the padded micro-batch."""
+    from gcfamily.core import packing
+
+    for flag in ("--packing", "--padding_free"):
+        code, _out, err = gcf("run", "--method", "sft", "--model", "tiny", flag, "true")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "always does this" in err and "block-causal mask" in err and "no equivalent" not in err, err
+    code, _out, err = gcf("run", "--method", "sft", "--model", "tiny", "--packing", "true")
+    assert "TRL's packing=True instead concatenates" in err and "padding_free=True flattens" not in err, err
+    seen = []
+    real_pack = packing.pack_rows
+
+    def spy(input_ids, attention_mask, *a, **k):
+        got = real_pack(input_ids, attention_mask, *a, **k)
+        seen.append((got, int(attention_mask.sum()), input_ids.numel()))
+        return got
+
+    monkeypatch.setattr(packing, "pack_rows", spy)
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "12+1=", "completion": " thirteen and some more"}] * 2
+    cfg = apply(Config(), {"method": "sft", "model": "tiny", "max_steps": 1, "batch_size": 4}, "--set")
+    cfg.output_dir, cfg.progress = str(tmp_path / "run"), False
+    Trainer(cfg, dataset=rows).run()
+    assert seen, "no log-prob pass went through the packed path"
+    for got, real, padded in seen:
+        assert got is not None and real < padded  # rows of unequal length: the padded micro-batch holds padding
+        assert got.input_ids.numel() < padded  # packed: fewer columns through the model than the padded micro-batch

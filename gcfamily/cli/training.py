@@ -137,6 +137,12 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).",
 )
 @click.option("--device", default="auto", show_default=True)
+@click.option(
+    "--save",
+    default=None,
+    metavar="FILE",
+    help="Write every scored prompt as a JSON line: prompt, completion, reward and verdict (correct).",
+)
 def eval_cmd(
     model: str,
     task: str,
@@ -151,6 +157,7 @@ def eval_cmd(
     temperature: Optional[float],
     sets: tuple[str, ...],
     device: str,
+    save: Optional[str],
 ) -> None:
     """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding.
 
@@ -160,9 +167,14 @@ def eval_cmd(
 
     from gcfamily.config import parse_sets
     from gcfamily.models import load_model
+    from gcfamily.run import console
     from gcfamily.run.build import resolve_device, resolve_dtype
+    from gcfamily.run.heldout import save_details
 
     dev = resolve_device(device)
+    if save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(save))):  # before minutes of decoding
+        raise GcfError(f"--save {save}: its folder does not exist; create it or give another file.")
+    details: list = []
     if temperature is not None and maj_k is None:
         raise GcfError("--temperature sets the temperature of the --maj-k samples; add --maj-k K or drop it.")
     temperature = 1.0 if temperature is None else temperature
@@ -175,7 +187,7 @@ def eval_cmd(
         from gcfamily.data.encoding import Formatter
         from gcfamily.data.sources import load_rows
         from gcfamily.rewards import Rewards
-        from gcfamily.run.heldout import evaluate_rows
+        from gcfamily.run.heldout import accuracy_rule, evaluate_rows
 
         if not reward:
             raise GcfError("gcf eval --dataset needs --reward to score the completions (e.g. --reward numeric).")
@@ -186,7 +198,9 @@ def eval_cmd(
         cfg = apply(Config(), parse_sets(sets), "--set")
         validate(cfg)
         rows = load_rows(dataset, split, dataset_config, cfg.columns)
-        m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+        scorer = Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout)
+        counted, measured = accuracy_rule(scorer, rows[:samples])  # what accuracy means here, or why there is none
+        m, tok = load_model(model, resolve_dtype("auto", dev), dev, say=console.teller(cfg.progress))
         from gcfamily.run.heldout import check_fits
 
         check_fits(m, min(128, samples, len(rows)), max_new_tokens, f"--max-new-tokens {max_new_tokens}")
@@ -194,20 +208,21 @@ def eval_cmd(
         t0 = time.time()
         from gcfamily.core import onednn
 
-        with onednn.packing(cfg.rollout_pack_weights):
+        with onednn.packing(cfg.rollout_pack_weights), console.eval_bar(cfg.progress, samples, "evaluating") as bar:
             out = evaluate_rows(
-                m,
-                fmt,
-                rows,
-                Rewards.from_specs(list(reward), cfg.reward_weights, cfg.reward_timeout),
-                max_new_tokens,
-                n=samples,
+                m, fmt, rows, scorer, max_new_tokens, n=samples, accuracy=counted, details=details, bar=bar
             )
-        acc = f", accuracy {out['eval/accuracy']:.3f}" if "eval/accuracy" in out else ""
+        n, right = int(out["eval/prompts"]), sum(bool(d.get("correct")) for d in details)
+        acc = f", accuracy {out['eval/accuracy']:.3f} ({right}/{n} {measured})" if "eval/accuracy" in out else ""
         click.echo(
-            f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {int(out['eval/prompts'])} prompts "
+            f"{model} on {dataset} ({split}): mean reward {out['eval/reward_mean']:.4f}{acc} over {n} prompts "
             f"({int(out['eval/reward_failed'])} failed) in {time.time() - t0:.1f} s"
         )
+        if "eval/accuracy" not in out:
+            click.echo(measured)
+        if save is not None:
+            save_details(save, details)
+            click.echo(f"saved {len(details)} prompts, completions, rewards and verdicts to {save}")
         return
     import yaml
 
@@ -220,14 +235,18 @@ def eval_cmd(
         raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
     t = get_task(task, seed=seed, **options)
     answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
-    m, tok = load_model(model, resolve_dtype("auto", dev), dev)
+    m, tok = load_model(model, resolve_dtype("auto", dev), dev, say=console.teller(True))
     n = len(t.heldout_rows(samples))
     check_fits(m, min(128, n), max_new_tokens, f"--max-new-tokens {max_new_tokens}")
     if maj_k is not None:  # before the greedy pass, which may take minutes
         check_fits(m, min(16, n) * maj_k, max_new_tokens, f"--maj-k {maj_k}")
     t0 = time.time()
-    acc = heldout_accuracy(m, tok, t, samples, max_new_tokens)
+    with console.eval_bar(True, samples, "evaluating") as bar:
+        acc = heldout_accuracy(m, tok, t, samples, max_new_tokens, details=details, bar=bar)
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
+    if save is not None:
+        save_details(save, details)
+        click.echo(f"saved {len(details)} prompts, completions, rewards and verdicts to {save}")
     if maj_k is not None:
         from gcfamily.data.encoding import Formatter
 

@@ -17,6 +17,8 @@ class Spelling:
     """The value a TRL switch stands for (--bf16 -> dtype=bfloat16); None: the user's own value."""
     note: str = ""
     """The rest of the sentence: what differs, or where to look when there is no equivalent."""
+    always: bool = False
+    """True (with target None): nothing to turn on, gcfamily always does it, and the note says how it differs."""
 
     def spelled(self) -> str:
         """`--model`, `--set lr=...`, `--set dtype=bfloat16`."""
@@ -49,7 +51,23 @@ TRL_NAMES: dict[str, Spelling] = {
         None,
         note="max_length caps prompt plus completion, and long_prompts (skip or error) says what a longer prompt does",
     ),
-    "packing": Spelling(None, note="rows are padded per micro-batch, never packed into one another"),
+    "packing": Spelling(
+        None,
+        always=True,
+        note="every log-prob pass packs its micro-batch's rows end to end (a prompt they share laid down once), "
+        "padding only its packed rows of up to 512 tokens to one length, each row at its own positions under a block-causal mask so that no row attends to another and "
+        "every log-prob and gradient is the padded row's (gcfamily/core/packing.py; a plain padded pass for an "
+        "attention or family the packed path is not checked on); TRL's packing=True instead concatenates dataset rows into max_length sequences before batching (with its "
+        "default packing_strategy='bfd' padding-free as below, with 'wrapped' rows cut and attending to each other), "
+        "which changes what a batch counts, and gcfamily never merges rows: batch_size and micro_batch_size count rows",
+    ),
+    "padding_free": Spelling(
+        None,
+        always=True,
+        note="every log-prob pass already packs its micro-batch's rows end to end under a block-causal mask (see "
+        "packing), on any attention that takes a mask (sdpa, eager); TRL's padding_free=True flattens a batch into one sequence and keeps rows apart only under "
+        "FlashAttention",
+    ),
     # --- the run (transformers' TrainingArguments)
     "output_dir": Spelling("--output-dir"),
     "overwrite_output_dir": Spelling("--overwrite"),
@@ -140,6 +158,8 @@ def sentence(name: str, shown: str) -> str | None:
     s = TRL_NAMES.get(name)
     if s is None:
         return None
+    if s.target is None and s.always:
+        return f"{shown} is TRL's name, and gcfamily has no setting for it because it always does this: {s.note}."
     if s.target is None:
         return f"{shown} is TRL's name, and gcfamily has no equivalent" + (f": {s.note}." if s.note else ".")
     spelled = s.spelled()
@@ -152,6 +172,6 @@ def markdown_table() -> str:
     """The table docs/trl-mapping.md holds, row for row."""
     lines = ["| TRL / transformers | gcfamily | |", "|---|---|---|"]
     for name, s in TRL_NAMES.items():
-        gcf = f"`{s.spelled()}`" if s.target is not None else "no equivalent"
+        gcf = f"`{s.spelled()}`" if s.target is not None else "always on (no setting)" if s.always else "no equivalent"
         lines.append(f"| `{name}` | {gcf} | {s.note} |")
     return "\n".join(lines)

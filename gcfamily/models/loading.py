@@ -4,6 +4,8 @@ frozen reference copy of a policy (load_reference)."""
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +32,18 @@ def load_model(
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
     seed: int = 0,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any]:
-    """(model, tokenizer) for an alias, hub id or local folder; clear errors, no tracebacks."""
+    """(model, tokenizer) for an alias, hub id or local folder; clear errors, no tracebacks. `say`, when given, hears
+    a line once the model is loaded (none before: a folder that fails to load is one sentence alone) and a first
+    use's conversion (gcfamily/models/gguf.py)."""
     if name == "tiny":
         tok = tiny_tokenizer()
         model = tiny_model(len(tok), seed=seed)
         return model.to(device=device, dtype=dtype), tok
     check_source(name)
-    source = resolve_source(name)
+    source = resolve_source(name, say)
+    t0 = time.perf_counter()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(source).exists()
@@ -63,7 +69,10 @@ def load_model(
     from gcfamily.core.families import prepare
 
     prepare(model)  # refuses a model whose log-probs cannot be exact; eager attention where it soft-caps
-    return model.to(device), tok
+    model = model.to(device)
+    if say is not None:
+        say(f"loaded model {name} in {time.perf_counter() - t0:.1f} s")
+    return model, tok
 
 
 def adopt_model(

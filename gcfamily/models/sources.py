@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from gcfamily.errors import GcfError
@@ -35,10 +36,10 @@ def context_of(name: str) -> int | None:
     return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
 
 
-def resolve_source(name: str) -> str:
-    """An alias, hub id or local folder -> what from_pretrained takes."""
+def resolve_source(name: str, say: Callable[[str], None] | None = None) -> str:
+    """An alias, hub id or local folder -> what from_pretrained takes (`say`: where a first use's conversion speaks)."""
     if name == "smollm2-135m":
-        return str(_smollm2_folder())
+        return str(_smollm2_folder(say))
     if name in HUB_ALIASES:
         return HUB_ALIASES[name]
     p = Path(name).expanduser()

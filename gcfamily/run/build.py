@@ -60,17 +60,18 @@ def choose_threads(cfg: Config, dist: DistEnv | None) -> threads.Threads:
 
 
 def build_policy(
-    cfg: Config, model: Any, prec: precision.Precision, device: torch.device
+    cfg: Config, model: Any, prec: precision.Precision, device: torch.device, say: Any = None
 ) -> tuple[torch.nn.Module, Any, Formatter]:
     """The policy in the master dtype on `device` (cfg.model loaded, or a (model, tokenizer) pair from Python adopted),
-    its tokenizer and its formatter; refused past its context; with LoRA adapters when asked."""
+    its tokenizer and its formatter; refused past its context; with LoRA adapters when asked. `say`: where loading (and
+    a first use's conversion) tells what it does (console.teller), None for silence."""
     dtype = prec.master  # what every model of the run is loaded in
     if model is not None:
         from gcfamily.models import adopt_model
 
         policy, tokenizer = adopt_model(model, dtype, device, cfg.trust_remote_code)
     else:
-        policy, tokenizer = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.seed)
+        policy, tokenizer = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.seed, say)
     formatter = Formatter(tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
     ctx = context_length(policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
     if ctx is not None and cfg.max_length > ctx:

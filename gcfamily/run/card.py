@@ -25,6 +25,7 @@ from gcfamily.models.lora import HUB_ID, base_hub_id, hub_holds_base
 from gcfamily.rewards.verifiable import REWARDS
 from gcfamily.run.figures import eval_keys, fmt, folder_layout, loader_class, metric_rows, series
 from gcfamily.run.folder.writes import write_atomic
+from gcfamily.run.portable import portable
 
 # the settings a reader wants even when the defaults were kept
 CORE_SETTINGS = ("lr", "batch_size", "max_steps", "seed", "dtype")
@@ -54,6 +55,7 @@ def write_model_card(
     config, objects = _python_objects(config)
     if base_model == given:  # a model object's name, put in words
         base_model = config["model"]
+    config, base_model, local = portable(config, base_model)  # a path of this machine recorded by its name
     name = str(method_info.get("name") or config.get("method") or "unknown")
     layout = folder_layout(out_dir)
     front: dict[str, Any] = {"library_name": "transformers"}
@@ -99,6 +101,12 @@ def write_model_card(
             "",
         ]
     else:  # one flag a line, so a reader sees the settings; bash joins the lines back
+        if local:
+            lines += [
+                "The command reads these files of the machine that trained it, named here by their digests: put them, "
+                f"by these names, in the folder it runs from: {'; '.join(local)}.",
+                "",
+            ]
         lines += ["```bash", " \\\n  ".join(_reproduce_parts(config, base_model)), "```", ""]
 
     out_dir.mkdir(parents=True, exist_ok=True)

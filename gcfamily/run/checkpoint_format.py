@@ -114,7 +114,7 @@ def save(
         torch.save(state, tmp / "state.pt")
         if extras is not None:
             extras(tmp)
-        _test_pause()
+        _test_pause(step)
         (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
         (tmp / MARKER).write_text(str(step))
         _fsync_dir(tmp)
@@ -155,13 +155,16 @@ def _cause(e: BaseException, cause: OSError) -> str:
     return text or cause.strerror or type(e).__name__
 
 
-def _test_pause() -> None:
-    # test hook: hold the write open between the files and the marker so a test can SIGKILL it there
+def _test_pause(step: int) -> None:
+    # test hook: hold the write open between the files and the marker so a test can SIGKILL it there;
+    # "SECONDS" pauses every checkpoint's write, "SECONDS@N" only step N's (the others land at once, whatever the load)
     pause = os.environ.get("GCF_TEST_CHECKPOINT_PAUSE")
     if pause:
         import time
 
-        time.sleep(float(pause))
+        seconds, _, only = pause.partition("@")
+        if not only or int(only) == step:
+            time.sleep(float(seconds))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -93,10 +93,12 @@ class Evaluation:
         step: int,
         gathered: contextlib.AbstractContextManager,
         autocast: contextlib.AbstractContextManager,
+        bar: Any = None,
     ) -> dict[str, float]:
         """Held-out figures of `policy` (the plain model; `gathered` holds its whole parameters under FSDP2): on
         eval_dataset, the method's own objective (Method.eval_metrics) and the greedy completions' rewards (where the run
-        has a reward); else on the task, its accuracy. Nothing when neither exists or the method trains no policy."""
+        has a reward); else on the task, its accuracy. Nothing when neither exists or the method trains no policy.
+        `bar`: a progress bar over the prompts whose completions are generated (console.eval_bar), or None."""
         if not method.trains_policy or (self.task is None and self.eval_dataset is None):
             return {}
         from gcfamily.run.heldout import evaluate_rows
@@ -124,6 +126,7 @@ class Evaluation:
                         cfg.max_new_tokens,
                         n=cfg.eval_samples,
                         details=details,
+                        bar=bar,
                     )
                 )
             else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
@@ -134,7 +137,14 @@ class Evaluation:
                     else self.task.heldout_rows(cfg.eval_samples)
                 )
                 got = evaluate_rows(
-                    policy, self.formatter, rows, self.task.reward, cfg.max_new_tokens, accuracy=True, details=details
+                    policy,
+                    self.formatter,
+                    rows,
+                    self.task.reward,
+                    cfg.max_new_tokens,
+                    accuracy=True,
+                    details=details,
+                    bar=bar,
                 )
                 out = {"eval/val_accuracy" if validation else "eval/accuracy": got["eval/accuracy"]}
         policy.train(was_training)

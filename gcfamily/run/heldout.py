@@ -34,6 +34,7 @@ import torch
 from gcfamily.core.onednn import packed_linears
 from gcfamily.data.encoding import Formatter, encode
 from gcfamily.errors import GcfError
+from gcfamily.run.console import ticking
 
 Answer = Callable[[str], Hashable | None]  # a completion's answer for the vote, None where it gives none
 
@@ -49,8 +50,10 @@ def evaluate_rows(
     n: int | None = None,
     accuracy: bool | None = None,
     details: list[dict[str, Any]] | None = None,
+    bar: Any = None,
 ) -> dict[str, float]:
-    """Greedy completions of the first n rows scored by `reward` (see the module docstring for each figure).
+    """Greedy completions of the first n rows scored by `reward` (see the module docstring for each figure); `bar`, a
+    tqdm bar (gcfamily/run/console.py), moves by prompts and shows the token each batch decodes.
 
     eval/reward_mean (the weighted total), eval/reward/<name> (each reward of a rewards.Rewards alone),
     eval/reward_failed, eval/prompts and eval/accuracy. accuracy=True (a task's reward): the share of rows whose
@@ -71,11 +74,14 @@ def evaluate_rows(
     sampler = build_backend("native", model, formatter.tokenizer)  # the rollout interface, as a run's sampling
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
     total, ok, correct = 0.0, 0, 0
+    if bar is not None:
+        bar.total = len(data.rows)
     each = {t.name: [0.0, 0] for t in rewards.terms}  # name -> [sum of its valid values, samples it scored]
     with packed_linears(model, batch_size):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_size):
             part = data.rows[s : s + batch_size]
-            out = sampler.generate(data.examples[s : s + batch_size], 1, settings)
+            with ticking(model, bar, max_new_tokens):
+                out = sampler.generate(data.examples[s : s + batch_size], 1, settings)
             columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
             scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
             for name, (r_k, ok_k) in scored.per_reward.items():
@@ -99,6 +105,8 @@ def evaluate_rows(
                         "reward": r if valid else None,
                     }
                     details.append({**row, "correct": right} if counted else row)
+            if bar is not None:
+                bar.update(len(part))
     m = len(data.rows)
     metrics = {"eval/reward_mean": total / max(ok, 1), "eval/reward_failed": float(m - ok), "eval/prompts": float(m)}
     metrics.update({f"eval/reward/{name}": v / max(k, 1) for name, (v, k) in each.items()})
@@ -116,14 +124,46 @@ def heldout_accuracy(
     max_new_tokens: int = 32,
     batch_size: int = 128,
     formatter: Formatter | None = None,
+    details: list[dict[str, Any]] | None = None,
+    bar: Any = None,
 ) -> float:
-    """Fraction of the held-out prompts (the first n test rows, each prompt once) of a task whose greedy completion scores >= 1 under the task's reward."""
+    """Fraction of the held-out prompts (the first n test rows, each prompt once) of a task whose greedy completion
+    scores >= 1 under the task's reward; `details` and `bar` as in evaluate_rows."""
     rows = task.heldout_rows(n)
     if not rows:
         return 0.0
+    fmt = formatter or Formatter(tokenizer)
     return evaluate_rows(
-        model, formatter or Formatter(tokenizer), rows, task.reward, max_new_tokens, batch_size, accuracy=True
+        model, fmt, rows, task.reward, max_new_tokens, batch_size, accuracy=True, details=details, bar=bar
     )["eval/accuracy"]
+
+
+def accuracy_rule(rewards: Any, rows: list[dict[str, Any]]) -> tuple[bool | None, str]:
+    """How `gcf eval --dataset` counts accuracy: evaluate_rows' `accuracy` argument and what the figure measures, or
+    False and the one sentence that says why there is none. A correctness reward decides where there is one; else,
+    where every row carries an `answer`, a row is right when its total reward reaches 1 (a user's reward that
+    returns 1 for a right answer and 0 for a wrong one counts as correctness that way)."""
+    checks = [t.name for t in rewards.terms if t.correctness]
+    if checks:
+        return None, f"rows that {' and '.join(checks)} scored 1"
+    if rows and all("answer" in r for r in rows):
+        return True, "rows whose total reward reached 1"
+    return False, (
+        "no accuracy: the rows carry no `answer` column and no reward is a correctness check (numeric, exact, or a "
+        "function marked with gcfamily.rewards.correctness_reward), so nothing says which completions are right."
+    )
+
+
+def save_details(path: str, details: list[dict[str, Any]]) -> None:
+    """Every scored prompt as one JSON line: index, prompt, completion, reward (None where it failed) and correct (the
+    verdict; None where no accuracy is counted)."""
+    import json
+    from pathlib import Path
+
+    try:
+        Path(path).write_text("".join(json.dumps({"correct": None, **d}) + "\n" for d in details), encoding="utf-8")
+    except OSError as e:
+        raise GcfError(f"--save could not write {path} ({e.strerror or e}); give a file in a writable folder.") from e
 
 
 def majority_answer(answers: Sequence[Hashable | None]) -> Hashable | None:

@@ -93,7 +93,7 @@ class Trainer:
     def _build(self, resume_path: Path | None, model: Any) -> None:
         """Everything that can fail, with the folder locked but unchanged: models, the method's data, the optimizer, a
         resumed state, the logger; then the folder's commit (run_config.json is written only once all of it passed)."""
-        cfg, dist_env = self.cfg, self.dist
+        cfg, dist_env, t0 = self.cfg, self.dist, time.perf_counter()
         # before any model work; a resume may take its recorded count
         self.threads = build.choose_threads(cfg, dist_env)
         self._first_row = {"threads": self.threads.count}  # logged with the first row this start writes
@@ -104,7 +104,8 @@ class Trainer:
             dist_env.set_precision(self.precision)
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
-        self.policy, self.tokenizer, self.formatter = build.build_policy(cfg, model, self.precision, self.device)
+        tell = console.teller(cfg.progress and self.is_main)  # converting and loading the model say so
+        self.policy, self.tokenizer, self.formatter = build.build_policy(cfg, model, self.precision, self.device, tell)
         self.rollout = build_backend("native", self.unwrapped_policy(), self.tokenizer)  # every sampling path's engine
         self.evaluation = Evaluation(
             cfg,
@@ -148,6 +149,7 @@ class Trainer:
         )
         self.saving.logger = self.logger
         self.folder.commit()
+        self._first_row["time/start_s"] = time.perf_counter() - t0  # the model's conversion and loading, and the build
         console.announce(cfg, self.is_main, self.threads, n, self.max_steps)
         if self.folder.change is not None:
             self._log(self.step, {"settings_changed": 1.0})
@@ -177,27 +179,25 @@ class Trainer:
         return self.saving.save_checkpoint(self)
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out figures of the policy now (Evaluation.evaluate); the console says when one starts and what it
-        found, since greedy decoding of the held-out prompts can take minutes with the progress bar standing still."""
-        cfg = self.cfg
+        """The held-out figures of the policy now (Evaluation.evaluate); the console says when one starts, shows a bar
+        over its prompts and says what it found, since greedy decoding can take minutes (console.evaluated)."""
+        cfg, ev = self.cfg, self.evaluation
         if self.step == 0 and self.hooks.start_evaluation is not None:
             return self.hooks.record_start_evaluation(self.out_dir, self.is_main)
-        say = (
+        shown = (
             self.is_main
             and cfg.progress
             and self.method.trains_policy
-            and (self.task is not None or self.eval_dataset is not None)
+            and (ev.task is not None or ev.eval_dataset is not None)
         )
-        if say:
-            console.say(self._bar, f"evaluating at step {self.step} on up to {cfg.eval_samples} held-out examples...")
-        t0 = time.perf_counter()
-        out = self.evaluation.evaluate(
-            self.unwrapped_policy(), self.method, self.step, self.full_parameters(), self.autocast()
+        policy, gathered, autocast = self.unwrapped_policy(), self.full_parameters(), self.autocast()
+        return console.evaluated(
+            shown,
+            self._bar,
+            self.step,
+            cfg.eval_samples,
+            lambda bar: ev.evaluate(policy, self.method, self.step, gathered, autocast, bar),
         )
-        if say and out:
-            found = ", ".join(f"{k} {v:.4g}" for k, v in out.items())
-            console.say(self._bar, f"evaluated at step {self.step} in {time.perf_counter() - t0:.1f} s: {found}")
-        return out
 
     def summary(self) -> str:
         """The console's closing lines (Saving.summary), then where the curves are (curves.where)."""
