@@ -55,6 +55,8 @@ class OnlineDPO(DPO, OnPolicy):
     data = OnPolicy.data
     data_kind = OnPolicy.data_kind  # prompts, not DPO's offline pairs
     task_rows = OnPolicy.task_rows
+    state_dict = OnPolicy.state_dict  # no pool of DPO's own-sample pairs to record
+    load_state_dict = OnPolicy.load_state_dict
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
