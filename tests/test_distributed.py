@@ -552,3 +552,6 @@ if __name__ == "__main__":
             dist_env.close()
     else:
         _worker(Path(sys.argv[1]))
+    from gcfamily.run.launch import leave
+
+    leave(0)  # as a rank of `gcf run --nproc` ends: no interpreter finalization after the group is left

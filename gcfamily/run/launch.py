@@ -126,7 +126,7 @@ def run_process(cfg: Any, resume: str | None) -> None:
     from gcfamily.run.distributed import DistEnv
     from gcfamily.run.trainer import Trainer
 
-    rank, env = int(os.environ.get("RANK", "0")), None
+    rank, env, code = int(os.environ.get("RANK", "0")), None, 0
     die_with_parent()
     try:
         env = DistEnv.from_env(cfg.device, cfg.dist_timeout)
@@ -146,7 +146,6 @@ def run_process(cfg: Any, resume: str | None) -> None:
             (Path(err_dir) / f"rank-{rank}").write_text(f"{code}\n{e}")
         elif rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(code) from None
     except RuntimeError as e:  # another rank died (killed, crashed): its own output says why
         if not peer_lost(e):
             raise
@@ -154,10 +153,20 @@ def run_process(cfg: Any, resume: str | None) -> None:
             f"error: process {rank} lost its connection to another process, which stopped first; that process's output says why.",
             file=sys.stderr,
         )
-        raise SystemExit(1) from None
+        code = 1
     finally:
         if env is not None:
             env.close()
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """End a rank process without the interpreter's finalization, its work written and its process group left:
+    finalizing can abort it (gloo's threads may still hold a collective's tensors, whose release then needs a GIL that is
+    going away: "terminate called without an active exception", SIGABRT, seen at the end of two-process runs)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def die_with_parent(expected: int | None = None) -> None:
