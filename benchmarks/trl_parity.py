@@ -562,13 +562,13 @@ def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
             log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
         )
 
-    inputs = Batch(
-        input_ids=case["ids"][order],
-        attention_mask=torch.ones_like(mask),
-        completion_mask=mask,
-        ref_chosen_logps=ref_sum[: B // 2],
-        ref_rejected_logps=ref_sum[B // 2 :],
-    )
+    inputs = {  # TRL's own batch: a dict of its keys
+        "input_ids": case["ids"][order],
+        "attention_mask": torch.ones_like(mask),
+        "completion_mask": mask,
+        "ref_chosen_logps": ref_sum[: B // 2],
+        "ref_rejected_logps": ref_sum[B // 2 :],
+    }
     loss = DPOTrainer._compute_loss(tr, model, inputs, return_outputs=False)
     loss.backward()
     return {"loss": float(loss.detach()), "grad": leaf.grad}
