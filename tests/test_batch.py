@@ -58,6 +58,9 @@ def test_trim_drops_all_padding_columns_of_token_fields_only() -> None:
     assert t.input_ids.shape == (4, 4) and t.ref_logps.shape == (4, 4) and t.own["per_token"].shape == (4, 4)
     assert t.input_ids[0].tolist() == [1, 2, 3, 4]
     assert t.own["bonus"].shape == (4,) and t.rewards.shape == (4,)  # ROW fields keep their shape
+    # a per-row field as wide as the sequences by chance (6 scores a row) is a ROW: the role, not the shape, decides
+    wide = trim(_batch().put("scores", torch.arange(24.0).view(4, 6), ROW))
+    assert wide.own["scores"].shape == (4, 6) and wide.input_ids.shape == (4, 4)
 
 
 def test_split_keeps_examples_whole_and_trims_each_part() -> None:
