@@ -146,3 +146,17 @@ def test_a_malformed_pool_file_is_one_sentence(tmp_path: Path) -> None:
     bad.write_text('{"prompt_index": 0}\n')
     with pytest.raises(GcfError, match="cannot be read"):
         Pool.load(bad, [[1, 2]])
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_drawing_a_pool_says_how_far_it_is(tmp_path: Path, capsys: pytest.CaptureFixture, progress: bool) -> None:
+    """A pool's draw can take minutes: a line per call of the sampler, quiet with progress=false (issue 50)."""
+    cfg = {**FAST, "progress": progress}
+    gcfamily.train(method="rft-offline", reward=odd_length, max_steps=1, output_dir=str(tmp_path / "run"), **cfg)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pool: ")]
+    if not progress:
+        assert lines == []
+        return
+    # 6 prompts drawn batch_size = 2 at a time: three lines, the last at 6/6
+    assert [x.split(" prompts")[0] for x in lines] == ["pool: 2/6", "pool: 4/6", "pool: 6/6"], lines
+    assert all("G=4 each" in x for x in lines)

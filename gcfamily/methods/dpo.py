@@ -138,6 +138,7 @@ class DPO(Method):
                     sampling_of(cfg),
                     reward,
                     cfg.batch_size,
+                    services.say,
                 )
             finally:
                 if hasattr(reward, "close"):

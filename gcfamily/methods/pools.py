@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -156,10 +157,12 @@ def draw(
     sampling: SamplingSettings,
     reward_fn: Any,
     chunk: int,
+    say: Optional[Callable[[str], None]] = None,
 ) -> Pool:
     """G samples of every prompt from the policy now, `chunk` prompts a call, scored by the reward (a sample whose
-    reward failed is kept with valid=False, as a rollout's is)."""
+    reward failed is kept with valid=False, as a rollout's is); `say` hears how far the draw is after each call."""
     pool, rewards = Pool(), as_rewards(reward_fn)
+    t0 = time.perf_counter()
     for s in range(0, len(prompt_ids), chunk):
         part = list(range(s, min(s + chunk, len(prompt_ids))))
         got = sample_scored(services, [prompt_ids[i] for i in part], [rows[i] for i in part], G, sampling, rewards)
@@ -169,6 +172,11 @@ def draw(
         pool.completions += list(got.rollout.completions)
         pool.rewards += [float(r) for r in got.scores.rewards.tolist()]
         pool.valid += [bool(v) for v in got.scores.valid.tolist()]
+        if say is not None:
+            done = part[-1] + 1
+            say(
+                f"pool: {done}/{len(prompt_ids)} prompts drawn and scored, G={G} each ({time.perf_counter() - t0:.0f} s)"
+            )
     return pool
 
 

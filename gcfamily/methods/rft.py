@@ -99,7 +99,9 @@ class OfflineRFT(RFT):
             def make() -> Pool:
                 prompts = [self.prompt_tokens[i] for i in self.pool_prompts]
                 rows = [self.rows[i] for i in self.pool_prompts]
-                drawn = draw(services, prompts, rows, cfg.group_size, self.sampling, self.reward_fn, cfg.batch_size)
+                drawn = draw(
+                    services, prompts, rows, cfg.group_size, self.sampling, self.reward_fn, cfg.batch_size, services.say
+                )
                 drawn.prompt_index = [self.pool_prompts[i] for i in drawn.prompt_index]
                 return drawn
 

@@ -85,6 +85,11 @@ class Services(Protocol):
         """Prompts, completions and rewards of a step for completions.jsonl and the trackers."""
         ...
 
+    def say(self, line: str) -> None:
+        """A progress line for a long phase of the method's own (drawing a pool), above the run's progress bar; quiet
+        with progress=false and on every process but the first."""
+        ...
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """Forwards in the run's compute dtype (a method's own model outside the trainer's passes)."""
         ...
@@ -121,6 +126,9 @@ class LocalServices:
         return False
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        return None
+
+    def say(self, line: str) -> None:
         return None
 
     def autocast(self) -> contextlib.AbstractContextManager:

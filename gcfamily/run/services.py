@@ -13,6 +13,7 @@ from gcfamily.core import engine
 from gcfamily.methods.services import LocalServices
 from gcfamily.models import lora
 from gcfamily.rollout import Rollout, SamplingSettings
+from gcfamily.run import console
 from gcfamily.run.view import TrainerView
 
 
@@ -119,6 +120,11 @@ class RunServices(LocalServices):
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         self._trainer.saving.log_samples(step, rows)
+
+    def say(self, line: str) -> None:
+        t = self._trainer
+        if t.cfg.progress and t.is_main:
+            console.say(t.bar, line)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self._trainer.autocast()

@@ -123,7 +123,7 @@ class Trainer:
         n = self.method.examples_per_epoch() if cfg.epochs else None
         self.max_steps = planned_steps(cfg, n)
         """The steps this run plans: max_steps, or what `epochs` passes take (the lr schedule spans them)."""
-        self._bar: Any = None  # the progress bar while the run goes
+        self.bar: Any = None  # the progress bar while the run goes
         self.folder.check_room(self.policy)
         state = (
             self.saving.load_checkpoint(resume_path, self.unwrapped_policy(), self.weight_keys(), self.method)
@@ -193,7 +193,7 @@ class Trainer:
         policy, gathered, autocast = self.unwrapped_policy(), self.full_parameters(), self.autocast()
         return console.evaluated(
             shown,
-            self._bar,
+            self.bar,
             self.step,
             cfg.eval_samples,
             lambda bar: ev.evaluate(policy, self.method, self.step, gathered, autocast, bar),
@@ -271,7 +271,7 @@ class Trainer:
             stack.callback(self.logger.close)
             stack.callback(self.rollout.close)
             stack.callback(install_stop_handlers(self._on_signal))
-            bar = self._bar = stack.enter_context(
+            bar = self.bar = stack.enter_context(
                 console.progress_bar(cfg.progress and self.is_main, self.max_steps, self.step, f"{cfg.method}")
             )
             stack.enter_context(onednn.packing(cfg.rollout_pack_weights))  # rollouts and evaluations of this run

@@ -16,6 +16,7 @@ from gcfamily.config import Config
 from gcfamily.core import threads
 from gcfamily.data.encoding import Formatter
 from gcfamily.methods.base import Method
+from gcfamily.rollout import RolloutBackend
 from gcfamily.run.budget import Budget
 from gcfamily.run.evaluation import Evaluation
 from gcfamily.run.folder import RunFolder
@@ -40,6 +41,8 @@ class TrainerView(Protocol):
     rewards: list | None
     method: Method
     generator: torch.Generator
+    rollout: RolloutBackend  # every sampling path's engine (gcfamily/rollout/backend.py)
+    bar: Any  # the run's progress bar while it goes, else None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     threads: threads.Threads
