@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pools import FAST as POOL_FAST
+from test_pools import odd_length
 
 import gcfamily
 import gcfamily.methods.ppo as ppo_module
@@ -25,21 +27,8 @@ from gcfamily.methods.ppo import PPO
 from gcfamily.methods.rft import OfflineRFT
 from gcfamily.run.services import RunServices
 
-FAST = dict(
-    model="tiny",
-    task="arithmetic",
-    batch_size=2,
-    group_size=4,
-    max_new_tokens=6,
-    progress=False,
-    report_to="none",
-    log_completions_every=0,
-)
-
-
-def odd_length(prompts, completions, **kw):  # noqa: ANN001, ANN201
-    """A reward the random tiny model meets about half the time."""
-    return [float(len(c) % 2) for c in completions]
+# the pool tests' run settings without their pool size (each test sets its own) and their reward
+FAST = {k: v for k, v in POOL_FAST.items() if k != "pool_prompts"}
 
 
 def record_rollouts(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[tuple[int, ...], tuple[int, ...]], str]:

@@ -12,26 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_pools import FAST, odd_length  # the pool tests' run settings and reward
 
 import gcfamily
 from gcfamily.errors import GcfError
-
-FAST = dict(
-    model="tiny",
-    task="arithmetic",
-    batch_size=2,
-    group_size=4,
-    max_new_tokens=6,
-    progress=False,
-    report_to="none",
-    pool_prompts=6,
-    log_completions_every=0,
-)
-
-
-def odd_length(prompts, completions, **kw):  # noqa: ANN001, ANN201
-    """A reward the random tiny model meets about half the time."""
-    return [float(len(c) % 2) for c in completions]
 
 
 def rows_of(path: Path) -> tuple[dict, list[dict]]:
