@@ -20,7 +20,7 @@ def test_the_native_backend_is_the_native_sampler_behind_the_interface():
     tok = tiny_tokenizer()
     model = tiny_model(len(tok)).eval()
     b = build_backend("native", model, tok)
-    assert isinstance(b, RolloutBackend) and isinstance(b, NativeBackend) and set(BACKENDS) == {"native"}
+    assert isinstance(b, RolloutBackend) and isinstance(b, NativeBackend) and set(BACKENDS) == {"native", "vllm"}
     prompts = [tok("1+1=")["input_ids"], tok("abc")["input_ids"]]
     s = SamplingSettings(temperature=1.0, max_new_tokens=6)
     got = b.generate(prompts, 3, s, torch.Generator().manual_seed(4))
@@ -30,8 +30,8 @@ def test_the_native_backend_is_the_native_sampler_behind_the_interface():
     b.close()
     with pytest.raises(GcfError, match="closed"):
         b.generate(prompts, 1, s)
-    with pytest.raises(GcfError, match="Unknown rollout backend 'vllm'; choose one of native"):
-        build_backend("vllm", model, tok)
+    with pytest.raises(GcfError, match="Unknown rollout backend 'sglang'; choose one of native, vllm"):
+        build_backend("sglang", model, tok)
 
 
 def test_why_each_completion_ended():

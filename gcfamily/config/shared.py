@@ -137,6 +137,16 @@ class Config(DataSettings):
     """Top-k sampling (0 = off)."""
     stop_strings: list = field(default_factory=list)
     """Strings that end a completion."""
+    rollout: str = "native"
+    """native | vllm: the engine every on-policy sample is drawn with (docs/rollout.md). vllm runs colocated in the run's
+    process on a copy of the weights, pushed and checked after every optimizer step (pip install 'gcfamily[vllm]')."""
+    vllm_gpu_memory: float = setting(0.3, real(0, 1, lo_open=True), "in (0, 1]")
+    """rollout=vllm on a GPU: the share of its memory the engine may take beside the training."""
+    vllm_cpu_kv_gb: float = setting(2.0, real(0, lo_open=True), "> 0 GiB")
+    """rollout=vllm on the CPU: GiB of KV cache."""
+    rollout_check_tol: Optional[float] = setting(None, real(0, lo_open=True), "> 0 nats")
+    """rollout=vllm: the largest |engine - trainer| log-prob on the probe sequence after a weight push before the run
+    stops; none: 1e-3 in float32, 0.05 in 16-bit."""
     rollout_compile: str = "auto"
     """auto | on | off: decode through a fixed-shape step compiled with torch.compile (CUDA graphs on a GPU; gcfamily/rollout/decode.py);
     auto compiles on CUDA only, where the rollout is launch-bound (on the CPU the compiled step measured slower than eager).
@@ -340,6 +350,7 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.chat_format in ("auto", "chat", "raw"), "chat_format must be auto, chat or raw"),
         (cfg.rollout_compile in ("auto", "on", "off"), "rollout_compile must be auto, on or off"),
+        (cfg.rollout in ("native", "vllm"), "rollout must be native or vllm"),
         (
             isinstance(cfg.columns, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in cfg.columns.items()),

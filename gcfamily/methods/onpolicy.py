@@ -127,6 +127,7 @@ class OnPolicy(Method):
             "skipped_long_prompts": float(self.skipped),
             "completion/length_mean": float(lengths.mean()),
             "completion/truncated_frac": float(ro.truncated.float().mean()),
+            **ro.stats,  # the rollout backend's own figures (rollout=vllm: the weight push's seconds and probe gap)
             GENERATED: float(lengths.mean())
             * len(lengths),  # as the trainer counted it: mean length times rows sampled
         }

@@ -14,7 +14,7 @@ are the trainer's; an engine that holds its own copy of the weights (vLLM) must 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +22,7 @@ from gcfamily.errors import GcfError
 from gcfamily.rollout import native
 from gcfamily.rollout.native import Rollout
 from gcfamily.rollout.sampling import SamplingSettings
+from gcfamily.rollout.vllm_engine import VllmBackend, VllmOptions
 
 
 @runtime_checkable
@@ -77,12 +78,26 @@ class NativeBackend:
         self.model = None
 
 
-BACKENDS: dict[str, type] = {"native": NativeBackend}
-"""The engines a run can sample with, by the name the `rollout` of a run would give."""
+BACKENDS: dict[str, type] = {"native": NativeBackend, "vllm": VllmBackend}
+"""The engines a run can sample with, by the run's `rollout` setting."""
 
 
-def build_backend(name: str, model: torch.nn.Module, tokenizer: Any) -> RolloutBackend:
-    """The backend `name` over `model`; an unknown name is one sentence naming the known ones."""
+def build_backend(
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    options: Optional[VllmOptions] = None,
+    trainer_logps: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> RolloutBackend:
+    """The backend `name` over `model`; an unknown name is one sentence naming the known ones. An engine with its own
+    copy of the weights (vllm) takes the run's `options` and `trainer_logps(ids [1, L]) -> [1, L]`, the trainer's own
+    log-probs, against which it checks every weight push."""
     if name not in BACKENDS:
         raise GcfError(f"Unknown rollout backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}.")
-    return BACKENDS[name](model, tokenizer)
+    if name == "native":
+        return NativeBackend(model, tokenizer)
+    if trainer_logps is None:
+        raise GcfError(
+            f"The {name} rollout backend checks its weights against the trainer's log-probs; pass trainer_logps."
+        )
+    return BACKENDS[name](model, tokenizer, options or VllmOptions(), trainer_logps)

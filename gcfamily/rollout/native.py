@@ -45,6 +45,7 @@ class Rollout:
     completions: list[str]  # decoded completion text (special tokens skipped, cut after a stop string)
     prompt_index: torch.Tensor  # [N] which prompt each row came from
     ended_by: list[str] = field(default_factory=list)  # [N] "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    stats: dict[str, float] = field(default_factory=dict)  # the backend's figures for the step's metrics (rollout/...)
 
 
 _SHARE_MIN = 8  # a common prompt prefix shorter than this is prefilled with the rest of each prompt

@@ -155,3 +155,35 @@ def apply_changed_settings(
         if i == 0:  # the decayed group (engine.build_optimizer: matrices first, then biases and norms at 0)
             g["weight_decay"] = cfg.weight_decay
     scheduler._last_lr = [g["lr"] for g in groups]
+
+
+def rollout_backend(t: Any) -> Any:
+    """The run's rollout backend (cfg.rollout) over the trainer `t`'s unwrapped policy; an engine with its own copy of
+    the weights checks each push against the trainer's own log-probs (its services' logprobs, temperature 1)."""
+    from gcfamily.core.batch import Batch
+    from gcfamily.rollout import build_backend
+    from gcfamily.rollout.vllm_engine import VllmOptions
+
+    cfg, policy, tokenizer, compute, services = (
+        t.cfg,
+        t.unwrapped_policy(),
+        t.tokenizer,
+        t.precision.compute,
+        t.services,
+    )
+    if cfg.rollout == "native":
+        return build_backend("native", policy, tokenizer)
+
+    def trainer_logps(ids: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones_like(ids)
+        loss = ones.clone()
+        loss[:, 0] = 0
+        was = policy.training
+        policy.eval()
+        try:
+            return services.logprobs(policy, Batch(input_ids=ids, attention_mask=ones, loss_mask=loss), 1.0)
+        finally:
+            policy.train(was)
+
+    options = VllmOptions(compute, cfg.seed, cfg.vllm_gpu_memory, cfg.vllm_cpu_kv_gb, cfg.rollout_check_tol)
+    return build_backend(cfg.rollout, policy, tokenizer, options, trainer_logps)

@@ -24,7 +24,6 @@ from gcfamily.errors import GcfError, install_stop_handlers
 from gcfamily.methods import get_method
 from gcfamily.methods.base import GENERATED, Batch, Method
 from gcfamily.models import lora
-from gcfamily.rollout import build_backend
 from gcfamily.run import build, checkpoint_format, console, curves, step
 from gcfamily.run.budget import Budget
 from gcfamily.run.distributed import DistEnv
@@ -106,7 +105,6 @@ class Trainer:
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
         tell = console.teller(cfg.progress and self.is_main)  # converting and loading the model say so
         self.policy, self.tokenizer, self.formatter = build.build_policy(cfg, model, self.precision, self.device, tell)
-        self.rollout = build_backend("native", self.unwrapped_policy(), self.tokenizer)  # every sampling path's engine
         self.evaluation = Evaluation(
             cfg,
             self.method_cls,
@@ -119,6 +117,7 @@ class Trainer:
         )
         self.task = self.evaluation.task
         self.services = RunServices(self)
+        self.rollout = build.rollout_backend(self)  # every sampling path's engine (cfg.rollout)
         self.method: Method = build.build_method(self.method_cls, cfg, self.services, self.evaluation)
         n = self.method.examples_per_epoch() if cfg.epochs else None
         self.max_steps = planned_steps(cfg, n)
