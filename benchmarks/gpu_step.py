@@ -24,6 +24,7 @@ EOS id (a random model would otherwise stop some rows early by chance).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -169,9 +170,18 @@ def decode_figures(trainer, new_tokens: int, mode: str, reps: int) -> dict:
 
 
 def grpo_figures(
-    name: str, device: str, new_tokens: int, steps: int, mode: str, reps: int, rate: float, lora_r: int = 0
+    name: str,
+    device: str,
+    new_tokens: int,
+    steps: int,
+    mode: str,
+    reps: int,
+    rate: float,
+    lora_r: int = 0,
+    backend: str = "native",
 ) -> dict:
     import gcfamily.rollout.native as rollout
+    import gcfamily.rollout.vllm_engine as vllm_engine
     from gcfamily.config import Config
     from gcfamily.run.logger import read_metrics
     from gcfamily.run.trainer import Trainer
@@ -194,14 +204,22 @@ def grpo_figures(
         micro_batch_size=64,
         beta=0.04,
         rollout_compile=mode,
+        rollout=backend,
         report_to="none",
         **(dict(lora_r=lora_r, lora_alpha=2.0 * lora_r) if lora_r else {}),
     )
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg, model=build(name))
-    decode = decode_figures(trainer, new_tokens, mode, reps)
+    eos = rollout._eos_ids, vllm_engine._eos_ids
+    rollout._eos_ids = vllm_engine._eos_ids = lambda *a: []  # full-length completions (the engine's EOS ids too)
+    t0 = time.perf_counter()
+    try:
+        trainer = Trainer(cfg, model=build(name))
+    finally:
+        rollout._eos_ids, vllm_engine._eos_ids = eos
+    built_s = time.perf_counter() - t0  # with rollout=vllm: the engine's start-up
+    decode = decode_figures(trainer, new_tokens, mode, reps) if backend == "native" else {}
     tokens: list[int] = []
     forwards: list[int] = []
     prepare = trainer.method.prepare
@@ -213,12 +231,11 @@ def grpo_figures(
         return b, stats
 
     trainer.method.prepare = counting_prepare
-    eos = rollout._eos_ids
     rollout._eos_ids = lambda *a: []  # full-length completions in the training step too
     try:
         trainer.run()
     finally:
-        rollout._eos_ids = eos
+        rollout._eos_ids = eos[0]
     rows = [r for r in read_metrics(out) if "time/step_s" in r][1:]  # the first step pays for warm-up
     tok, fw = tokens[1:], forwards[1:]
     params = sum(p.numel() for p in trainer.unwrapped_policy().parameters())
@@ -234,6 +251,8 @@ def grpo_figures(
         "params": params,
         "trained_params": trained,
         "mode": mode,
+        "rollout": backend,
+        "built_s": built_s,
         "lora_r": lora_r,
         **{f"decode_{k}": v for k, v in decode.items() if k != "mode"},
         "step_s": step_s,
@@ -269,6 +288,12 @@ def main() -> None:
     ap.add_argument(
         "--lora-models", default="qwen2.5-0.5b-shaped", help="the models (of --model) the LoRA run is made for"
     )
+    ap.add_argument(
+        "--vllm",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="also a GRPO step with rollout=vllm (auto: if vLLM imports)",
+    )
     ap.add_argument("--json", default=None, help="also write every figure here")
     a = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -297,7 +322,7 @@ def main() -> None:
                 f"= {100 * r['train_share_of_matmul']:.1f}% of matmul{mem} [{r['wall_s']:.0f} s]",
                 flush=True,
             )
-        by = {r["mode"]: r for r in results if r["model"] == name and not r["lora_r"]}
+        by = {r["mode"]: r for r in results if r["model"] == name and not r["lora_r"] and r["rollout"] == "native"}
         lora_r = a.lora if a.lora is not None else (16 if a.device == "cuda" else 0)
         if lora_r and name in a.lora_models.split(","):  # the same step with adapters: full fine-tuning against LoRA
             mode = a.modes.split(",")[-1]
@@ -319,6 +344,29 @@ def main() -> None:
                 f"(generation {r['generation_s']:.3f}), training {r['train_tokens_per_s']:.0f} tok/s{mem} [{r['wall_s']:.0f} s]",
                 flush=True,
             )
+        if a.vllm == "on" or (a.vllm == "auto" and importlib.util.find_spec("vllm") is not None):
+            mode = a.modes.split(",")[0]
+            t = time.perf_counter()
+            try:
+                r = grpo_figures(name, a.device, new_tokens, a.steps, mode, a.reps, rate, backend="vllm")
+            except Exception as e:  # noqa: BLE001 - a GPU check reports what failed and goes on with the rest
+                print(f"{name} rollout=vllm failed: {e}", flush=True)
+            else:
+                r["wall_s"] = time.perf_counter() - t
+                results.append(r)
+                mem = f", peak {r['peak_memory_gb']:.2f} GB" if r["peak_memory_gb"] is not None else ""
+                native = by.get(mode)
+                print(
+                    f"{name} rollout=vllm: engine start-up {r['built_s']:.1f} s; GRPO step {r['step_s']:.3f} s "
+                    f"(generation {r['generation_s']:.3f})"
+                    + (
+                        f" against {native['step_s']:.3f} s native (generation {native['generation_s']:.3f})"
+                        if native
+                        else ""
+                    )
+                    + f"{mem} [{r['wall_s']:.0f} s]",
+                    flush=True,
+                )
         if "off" in by and "on" in by:
             print(
                 f"{name}: compiled / eager: step {by['off']['step_s'] / by['on']['step_s']:.2f}x faster, decode "
