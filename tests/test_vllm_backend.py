@@ -190,6 +190,10 @@ def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
     }
     r = CliRunner().invoke(main, [*args, *[f"--set={k}={v}" for k, v in sets.items()]])
     assert r.exit_code == 0, r.output
+    assert (
+        "note: rollout=vllm samples with the engine's own generator, seeded once from the run's seed, so a resumed run "
+        "does not redraw the samples it would have drawn.\n" in r.output
+    )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)  # the policy moved every step
     pushed = [r for r in rows if "rollout/probe_gap" in r]

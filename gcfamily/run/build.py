@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -185,5 +186,18 @@ def rollout_backend(t: Any) -> Any:
         finally:
             policy.train(was)
 
+    if t.is_main:  # what vLLM cannot reproduce, said once rather than approximated silently
+        truncated = cfg.top_p < 1 or cfg.top_k > 0
+        print(
+            "note: rollout=vllm samples with the engine's own generator, seeded once from the run's seed, so a resumed "
+            "run does not redraw the samples it would have drawn"
+            + (
+                "; with top_p/top_k its log-probs are those of the truncated distribution it drew from"
+                if truncated
+                else ""
+            )
+            + ".",
+            file=sys.stderr,
+        )
     options = VllmOptions(compute, cfg.seed, cfg.vllm_gpu_memory, cfg.vllm_cpu_kv_gb, cfg.rollout_check_tol)
     return build_backend(cfg.rollout, policy, tokenizer, options, trainer_logps)
