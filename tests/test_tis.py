@@ -157,6 +157,19 @@ def test_mismatch_figures_by_hand() -> None:
     assert "rollout/logp_diff_max" in off and not any(k.startswith("tis/") for k in off)
 
 
+def test_with_pi_old_from_prepare_the_figures_are_the_whole_steps_once() -> None:
+    """Several optimizer steps per batch (mu, num_minibatches): the trainer averages over them, which no max survives,
+    so prepare reports the figures once, measured against the old_logps it computed, and the micro-batches none."""
+    batch, logps = _rows(DIFFS)
+    batch.old_logps = logps + 0.1 * batch.loss_mask  # pi_old, which the diffs were not measured against
+    m = make("grpo", group_size=2, mu=2, tis="token_mask", tis_min=0.4, beta=0.0)
+    per_micro_batch = m.metrics(batch, logps, torch.zeros_like(logps))
+    assert not [k for k in per_micro_batch if k.startswith(("rollout/", "tis/"))], per_micro_batch
+    got = m.prepared_mismatch(batch)
+    assert got["rollout/logp_diff_max"] == pytest.approx(LN(4) + 0.1)  # against old_logps, not the forward's
+    assert m.prepared_mismatch(batch.replaced(old_logps=None)) == {}  # one pass: the micro-batches report them
+
+
 class _Figures(Method):
     """A method whose micro-batch figures are given: {"x/ratio_max", "x/ratio_min", "x/mean"} per call."""
 
@@ -215,9 +228,16 @@ def test_ranks_combine_a_max_by_max_and_a_min_by_min(monkeypatch: pytest.MonkeyP
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_two_steps_with_token_truncate_log_the_figures(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "name, settings",
+    [
+        ("grpo", {"tis": "token_truncate", "tis_min": 0.5}),  # one pass: the micro-batches' figures, combined
+        ("ppo", {"tis": "token_mask", "tis_min": 0.5, "mu": 2, "num_minibatches": 2}),  # from prepare, once a step
+    ],
+)
+def test_two_steps_with_tis_log_the_figures(tmp_path, name: str, settings: dict) -> None:
     cfg = Config(
-        method="grpo",
+        method=name,
         model="tiny",
         task="arithmetic",
         output_dir=str(tmp_path / "run"),
@@ -227,16 +247,16 @@ def test_two_steps_with_token_truncate_log_the_figures(tmp_path) -> None:
         max_new_tokens=8,
         micro_batch_size=3,
         progress=False,
-        tis="token_truncate",
-        tis_min=0.5,
+        **settings,
     )
     Trainer(cfg).run()
     rows = [r for r in metrics_rows(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    masking = settings["tis"].endswith("mask")
     for r in rows:
         keys = ["rollout/logp_diff_mean", "rollout/logp_diff_max", "tis/ratio_mean", "tis/ratio_min", "tis/ratio_max"]
         assert all(isinstance(r.get(k), float) for k in keys), r
         # the native sampler is the policy itself: its log-probs are the trainer's to float rounding
         assert 0 <= r["rollout/logp_diff_mean"] <= r["rollout/logp_diff_max"] < 1e-3
         assert 0.5 <= r["tis/ratio_min"] <= r["tis/ratio_mean"] <= r["tis/ratio_max"] <= 3.0
-        assert "tis/masked_frac" not in r  # a truncate mode masks nothing
+        assert (r.get("tis/masked_frac") == 0.0) if masking else ("tis/masked_frac" not in r)
