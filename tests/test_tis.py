@@ -49,7 +49,7 @@ def _rows(diffs: list[list[float]], valid: list[bool] | None = None) -> tuple[Ba
         input_ids=torch.zeros(B, L, dtype=torch.long),
         attention_mask=torch.ones(B, L, dtype=torch.long),
         loss_mask=mask,
-        sample_logps=(logps - d) * mask,
+        sample_logps=torch.where(mask.bool(), logps - d, math.nan),  # a NaN on padding must change nothing
         valid=torch.tensor(valid if valid is not None else [True] * B),
         advantages=torch.ones(B),
         kept=torch.ones(B, dtype=torch.bool),

@@ -28,7 +28,8 @@ MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_m
 def sampler_ratio(mode: str, old_logps: torch.Tensor, sample_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """rho [B, L]: pi_old/pi_sampler of each completion token (token_*), or of the whole row on each of its tokens
     (sequence_*); 1 off the mask (token_*)."""
-    d = (old_logps.detach() - sample_logps.to(old_logps.dtype)) * mask  # [B, L]
+    # where(), not * mask: a sampler's NaN off the completion (padding) stays out; one on it makes w NaN, not 1
+    d = torch.where(mask.bool(), old_logps.detach() - sample_logps.to(old_logps.dtype), 0.0)  # [B, L]
     if mode.startswith("sequence"):
         d = d.sum(-1, keepdim=True).expand_as(d)  # [B, L]: the row's sum on each of its positions
     return torch.exp(d)
