@@ -123,6 +123,7 @@ def test_gspo_takes_the_rows_mean_weight_in_its_coefficient() -> None:
         ("ppo", {"tis": "token_mask", "tis_min": 3.0}, "tis_min must be below tis_max=3.0"),
         ("rft-offline", {"tis": "token_truncate"}, "pool drawn once from the initial policy"),
         ("online-dpo", {"tis": "sequence_mask"}, "online-dpo refuses tis=sequence_mask"),
+        ("online-dpo", {"tis_max": 2.0}, "online-dpo refuses tis_max=2.0"),  # a bound of a correction it never applies
     ],
 )
 def test_bad_settings_are_one_sentence(name: str, settings: dict, said: str) -> None:

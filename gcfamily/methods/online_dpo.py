@@ -16,15 +16,15 @@ the count is logged (online_dpo/skipped_prompts). Layout, normalisation (sum, Z 
 
 The sampler correction (tis) is refused: online DPO's loss is one sigmoid term per pair of whole sequences, not a sum
 of per-token terms a ratio could weigh, TRL has no correction for it (OnlineDPOTrainer), and weighing a pair by its
-two samples' sequence ratios would be a rule of gcfamily's own that nothing checks it against. The settings are
-there so that `--set tis=...` is refused with this reason; the mismatch figures (rollout/logp_diff_mean, _max) are
-still logged.
+two samples' sequence ratios would be a rule of gcfamily's own that nothing checks it against. The settings tis,
+tis_max and tis_min are there so that giving one is refused with this reason; the mismatch figures
+(rollout/logp_diff_mean, _max) are still logged.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from einops import rearrange, repeat
@@ -36,6 +36,9 @@ from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.dpo import DPO
 from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
 from gcfamily.methods.services import Services
+
+TIS_DEFAULTS = {f.name: f.default for f in fields(OnPolicy.Settings)}
+"""tis off and its bounds as they are by default: online-dpo refuses any other value (the module docstring says why)."""
 
 
 class OnlineDPO(DPO, OnPolicy):
@@ -52,10 +55,11 @@ class OnlineDPO(DPO, OnPolicy):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)  # DPO's: beta > 0, loss_norm sum
-        if cfg.settings.tis != "off":
+        given = [f"{k}={getattr(cfg.settings, k)}" for k, v in TIS_DEFAULTS.items() if getattr(cfg.settings, k) != v]
+        if given:
             raise GcfError(
-                f"{cls.name} refuses tis={cfg.settings.tis}: its loss is one term per pair of whole sequences, with no "
-                "per-token term for the sampler ratio to weigh (TRL has no such correction for online DPO); use tis=off."
+                f"{cls.name} refuses {given[0]}: its loss is one term per pair of whole sequences, with no per-token "
+                "term for the sampler ratio to weigh (TRL has no such correction for online DPO); leave tis off."
             )
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
