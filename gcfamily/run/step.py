@@ -1,7 +1,8 @@
 """One optimizer step of the policy, in three parts a reader can name and a test can call:
 
     backward   every micro-batch forward and backward: the method's coefficient, the engine's one weighted loss
-    metrics    the step's figures, token-weighted over its micro-batches, read after every backward is queued
+    metrics    the step's figures, token-weighted over its micro-batches (a ..._max or ..._min by max or min), read
+               after every backward is queued
     apply      the optimizer step proper: gradients checked finite on every rank, clipped, stepped, zeroed
 
 and beside them a step of a method that trains only its own model, and the run's two refusals of bad steps. The Trainer
