@@ -12,12 +12,15 @@ import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gspo.py"
 
-# GSPO's coefficient with the clip removed: s_i * A_i on every token, plus GRPO's KL part (its coefficient at A = 0)
+# GSPO's coefficient with the clip removed: s_i * A_i on every token, times the row's mean sampler weight (tis; 1 when
+# off), plus GRPO's KL part (its coefficient at A = 0)
 NO_CLIP_COEFFICIENT = """
     def coefficient(self, batch, logps):
         s, g = self.importance_ratio(batch, logps)
         kl_part = super().coefficient(batch.replaced(advantages=torch.zeros_like(batch.advantages)), logps)
-        return kl_part + g * self.token_advantages(batch) * batch.loss_mask
+        c, m = self.sampler_correction(batch, self._old(batch, logps)), batch.loss_mask
+        c = (c * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        return kl_part + g * self.token_advantages(batch) * m * c
 """
 
 
@@ -47,7 +50,9 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "equal-reward groups",
         "failed rewards",
         "micro-batches",
-        "9 cases: 9 passed, 0 failed",
+        "tokens with the sampler ratio above tis_max (truncated)",
+        "sequences with the sampler ratio below tis_min (masked)",
+        "11 cases: 11 passed, 0 failed",
     ):
         assert line in out, line
     assert "FAILED" not in out

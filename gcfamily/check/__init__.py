@@ -27,8 +27,10 @@ for the others (world.Collective); running state is built over three warm-up ste
 data(); the second model's loss (PPO's critic, the reward model) is checked through its own step (second.py).
 
 Each check counts the branches its batch reached (clipped low and high, the clip-higher band, KL past the
-clamp, an equal-reward group, a failed reward, several micro-batches, ...) and fails when a branch its
-settings make reachable did not occur: a pass is never a pass on a batch that could not tell.
+clamp, an equal-reward group, a failed reward, several micro-batches, sampler ratios past tis_max and below
+tis_min, ...) and fails when a branch its settings make reachable did not occur: a pass is never a pass on a
+batch that could not tell. The on-policy batches carry the sampler's log-probs (check/sampler.py places them), and
+the textbook weighs each token's term by TRL's truncated or masked ratio pi_old/pi_sampler where tis is on.
 """
 
 from __future__ import annotations

@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
+from gcfamily.check.sampler import design_sampler, sampled
 from gcfamily.check.second import critic_check
 from gcfamily.check.textbook import (
     PIVOT,
     Textbook,
     _aggregate,
     _groups_textbook,
+    _kept_textbook,
     _pairs_textbook,
     _ppo_textbook,
     _process_textbook,
@@ -115,16 +117,19 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
         count[sign] += 1
 
 
-def _scored(world: World, rewards: list[float]) -> Batch:
+def _scored(world: World, rewards: list[float], stub: StubServices) -> Batch:
+    """The step's N sampled rows as the rollout gives them: rewards (one failed), and the sampler's log-probs."""
     valid = torch.ones(N, dtype=torch.bool)
     valid[FAILED] = False
-    return world.rows(range(N)).replaced(rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G)
+    rows = world.rows(range(N)).replaced(rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G)
+    return sampled(rows, stub)
 
 
 def _onpolicy(cls: type[Method], settings: dict, world: World) -> tuple[Method, StubServices]:
     """The method and its stub trainer, whose pi_old and pi_ref the textbook reads at the sampling temperature (the
     settings', not the method's `logprob_temperature`, which is what the check tests)."""
     m = make(cls, {"group_size": G, **settings})
+    design_sampler(world, m.settings)  # where the sampler's log-probs lie against pi_old (check/sampler.py)
     return m, StubServices(m.cfg, world, m.cfg.temperature)
 
 
@@ -145,7 +150,7 @@ def build_groups(
         m, world, _signs(REWARDS, [i != FAILED for i in range(N)]), tb or {"ratio": cls.ratio_level}, gen
     )
     warm = [torch.tensor(w) for w in WARMUP]
-    raw = _scored(world, REWARDS)
+    raw = _scored(world, REWARDS, stub)
 
     def work(m: Method, stub: StubServices, rows: slice) -> Batch:
         m.setup(stub)  # type: ignore[arg-type]
@@ -193,7 +198,7 @@ def build_process(
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
     m.setup(stub)  # type: ignore[arg-type]
-    raw = _scored(world, [sum(x) for x in STEPS])
+    raw = _scored(world, [sum(x) for x in STEPS], stub)
     R, at = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
     for i, scores in enumerate(STEPS):
         pos = world.positions(i)
@@ -212,7 +217,7 @@ def build_ppo(
     `ranks` simulated ranks; on one rank, its critic's loss and step too (second.critic_check)."""
     m, stub = _onpolicy(cls, settings, world)
     _place_clip_and_kl(m, world, [0] * N, tb or {"ratio": cls.ratio_level}, gen)
-    raw = _scored(world, REWARDS)
+    raw = _scored(world, REWARDS, stub)
 
     def work(m: Method, stub: StubServices, rows: slice) -> Batch:
         m.services, m.critic = stub, StubCritic(world)  # type: ignore[assignment]
@@ -298,7 +303,7 @@ def build_online_pairs(
     m, stub = _onpolicy(cls, settings, world)
     _design_margins(world, [(0, 1), (8, 10), (12, 13)], tb, m.settings)  # the pairs REWARDS make
     m.setup(stub)  # type: ignore[arg-type]
-    raw = _scored(world, REWARDS)
+    raw = _scored(world, REWARDS, stub)
     batch, _ = m.prepare(raw.clone())
     return Built(m, batch, None if tb is None else (lambda lp: _online_textbook(lp, raw, stub, m, tb)), stub.tau)
 
@@ -354,22 +359,11 @@ def build_kept(
     """Rejection sampling: the method's prepare keeps the valid samples whose reward clears the threshold."""
     m, stub = _onpolicy(cls, settings, world)
     m.setup(stub)  # type: ignore[arg-type]
-    raw = _scored(world, REWARDS)
+    raw = _scored(world, REWARDS, stub)
     batch, _ = m.prepare(raw.clone())
 
-    def textbook(lp_all: torch.Tensor) -> Textbook:  # DeepSeekMath 5.2.1: the SFT objective on the kept samples
-        kept = raw.valid & (raw.rewards >= m.settings.reward_threshold)
-        br = Counter(
-            {
-                "kept": int(kept.sum()),
-                "rejected": int((raw.valid & ~kept).sum()),
-                "failed rewards": int((~raw.valid).sum()),
-            }
-        )
-        J = _aggregate(lp_all[raw.row_id], raw.loss_mask.double(), kept.double(), m.norm, m.cfg.norm_constant)
-        return Textbook(J, br, set(br))
-
-    return Built(m, batch, None if tb is None else textbook, stub.tau)
+    textbook = None if tb is None else (lambda lp: _kept_textbook(lp, raw, stub, m))
+    return Built(m, batch, textbook, stub.tau)
 
 
 def build_demonstrations(

@@ -62,6 +62,13 @@ def _accepts(cls: type[Method], settings: dict) -> bool:
     return True
 
 
+TIS = {
+    mode: {"tis": mode, "tis_min": 0.5, "tis_max": 2.0}
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+}
+"""The sampler correction's cases (setting tis): each mode with both bounds, so that ratios fall past each."""
+
+
 TAU = 0.7
 """A sampling temperature other than 1: the policy is pi at tau, log softmax(logits / tau), in the engine's chunked
 log-probs (whose backward carries the 1/tau), in pi_old and pi_ref, and in the textbook."""
@@ -127,6 +134,8 @@ def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
             },
         ),
         ("two simulated ranks, batch std", {RANKS: 2, **(batch if _accepts(cls, batch) else {})}),
+        ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
+        ("sampler correction sequence_mask", TIS["sequence_mask"]),
     ]
 
 
@@ -196,6 +205,8 @@ FAMILIES: dict[str, Family] = {
             ("k3-iw unclamped", {"mu": 2, "kl_estimator": "k3-importance-weighted", "kl_clamp": None}),
             ("two simulated ranks (whitening over both)", {RANKS: 2}),
             ("GAE unwhitened", {"whiten": False, "mu": 2}),
+            ("sampler correction token_mask, clip and KL", {**TIS["token_mask"], "mu": 2}),
+            ("sampler correction sequence_truncate", TIS["sequence_truncate"]),
         ],
         SURROGATE + "; A = GAE on the critic's values, whitened unless whiten=false",
         {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS},
@@ -233,6 +244,7 @@ FAMILIES: dict[str, Family] = {
                 {"std": "population", "std_eps": 1e-3, "zero_std": "exclude", "loss_norm": "token"},
             ),
             ("minibatches, k1, sum", {"num_minibatches": 2, "beta": 0.04, "kl_estimator": "k1", "loss_norm": "sum"}),
+            ("sampler correction token_mask, clip", {**TIS["token_mask"], "mu": 2}),
         ],
         SURROGATE + "; A_t = sum of the group-normalised step rewards ending at or after t",
         {
@@ -247,7 +259,11 @@ FAMILIES: dict[str, Family] = {
     M + "rft.RFT": Family(
         "kept samples (rejection sampling)",
         build_kept,
-        lambda c: [("defaults", {}), ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"})],
+        lambda c: [
+            ("defaults", {}),
+            ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"}),
+            *[(f"sampler correction {m}", TIS[m]) for m in ("token_truncate", "sequence_mask") if _accepts(c, TIS[m])],
+        ],
         "the log-likelihood of the valid samples whose reward clears the threshold",
         {"prepare": {M + "rft.RFT": ""}},
     ),

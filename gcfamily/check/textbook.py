@@ -36,6 +36,45 @@ def _kl(name: str, log_rho: torch.Tensor, log_r: torch.Tensor) -> torch.Tensor:
     ]
 
 
+def _sampler_weight(
+    s: Any, old: torch.Tensor, sample: torch.Tensor, mask: torch.Tensor, cells: torch.Tensor, br: Counter
+) -> torch.Tensor:
+    """TRL 1.16's correction of the sampler's mismatch (vllm_importance_sampling_correction), a constant of the step
+    [B, L]: the ratio pi_old/pi_sampler of each completion token (token_*), or of the row, the product of its tokens'
+    (sequence_*); kept inside [tis_min, tis_max], outside it moved onto the bound passed (*_truncate) or set to 0
+    (*_mask); no tis_min, no lower bound. 1 with tis off. Counts the side each token (or row) of `cells` is on."""
+    if s.tis == "off":
+        return torch.ones_like(old)
+    per_token = torch.where(mask.bool(), torch.exp(old - sample), 1.0)  # [B, L]
+    seq = s.tis.startswith("sequence")
+    rho = torch.prod(per_token, -1, keepdim=True).expand_as(old) if seq else per_token
+    top, bottom = s.tis_max, -math.inf if s.tis_min is None else s.tis_min
+    above, below = rho > top, rho < bottom
+    masking = s.tis.endswith("mask")
+    w = torch.where(above, 0.0 if masking else top, torch.where(below, 0.0 if masking else bottom, rho))
+    level, how = ("sequences" if seq else "tokens"), ("masked" if masking else "truncated")
+    pick = (lambda x: x[:, 0]) if seq else (lambda x: x)
+    c = cells.any(-1) if seq else cells
+    br[f"{level} with the sampler ratio above tis_max ({how})"] += int((pick(above) & c).sum())
+    br[f"{level} with the sampler ratio below tis_min ({how})"] += int((pick(below) & c).sum())
+    inside = ~above & ~below & ((rho - 1).abs() > 1e-6)
+    br[f"{level} with the sampler ratio inside [tis_min, tis_max], != 1"] += int((pick(inside) & c).sum())
+    return w.detach()
+
+
+def _sampler_required(s: Any) -> set[str]:
+    """The branches of the sampler correction its settings make reachable (below tis_min only with a tis_min > 0)."""
+    if s.tis == "off":
+        return set()
+    level = "sequences" if s.tis.startswith("sequence") else "tokens"
+    how = "masked" if s.tis.endswith("mask") else "truncated"
+    req = {
+        f"{level} with the sampler ratio above tis_max ({how})",
+        f"{level} with the sampler ratio inside [tis_min, tis_max], != 1",
+    }
+    return req | ({f"{level} with the sampler ratio below tis_min ({how})"} if (s.tis_min or 0) > 0 else set())
+
+
 def _clip_terms(
     tb: dict,
     s: Any,
@@ -46,9 +85,11 @@ def _clip_terms(
     mask: torch.Tensor,
     on: torch.Tensor,
     br: Counter,
+    sample: torch.Tensor,
 ) -> torch.Tensor:
-    """min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t per token [B, L] (PPO, eq. 7), r per token or per
-    sequence (GSPO, eq. 5); counts which side of the clip each token (or row) is on."""
+    """c_t min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t per token [B, L] (PPO, eq. 7), r per token or per
+    sequence (GSPO, eq. 5), c_t the sampler correction (TRL weighs its per-token loss, then adds beta KL); counts
+    which side of the clip each token (or row) is on."""
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     log_r = lp - old  # [B, L]
     if tb["ratio"] == "sequence":
@@ -56,6 +97,7 @@ def _clip_terms(
     else:
         r = torch.exp(log_r)
     per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+    per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)
     rd, Ad = r.detach(), A.expand_as(r)
     level = "sequences" if tb["ratio"] == "sequence" else "tokens"
     cells = on.any(-1) if level == "sequences" else on
@@ -89,7 +131,7 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:
         req |= {"KL in the reward"}
-    return req
+    return req | _sampler_required(s)
 
 
 def _group_advantages(
@@ -166,7 +208,7 @@ def _groups_textbook(
     br["equal-reward groups" + (" (A = R - b kept)" if kept else "")] += int(equal[::G].sum())
     br["equal-reward groups out of Z"] += int((equal & ~rows & valid).any()) if s.zero_std == "exclude" else 0
     br["rows with A > 0"], br["rows with A < 0"] = int(((A > 0) & rows).sum()), int(((A < 0) & rows).sum())
-    per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br)
+    per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
     req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward)
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
@@ -203,7 +245,7 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     br["equal-reward groups out of Z"] += int((equal & ~rows & valid).any()) if s.zero_std == "exclude" else 0
     on = mask.bool() & rows[:, None]
     br["tokens with A > 0"], br["tokens with A < 0"] = int(((A > 0) & on).sum()), int(((A < 0) & on).sum())
-    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br)
+    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
     req = {"failed rewards", "tokens with A > 0", "tokens with A < 0", "equal-reward groups"}
     req |= {"outputs with several steps", "valid outputs with no step"} | _clip_required(s, several, False)
@@ -253,10 +295,24 @@ def _ppo_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Metho
         x = A[on]
         A = torch.where(on, (A - x.mean()) / (x.std() + 1e-8), 0.0)
     br["tokens with A > 0"], br["tokens with A < 0"] = int(((A > 0) & on).sum()), int(((A < 0) & on).sum())
-    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br)
+    per = _clip_terms(tb, s, lp, old, ref, A, mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
     req = {"failed rewards", "tokens with A > 0", "tokens with A < 0"} | _clip_required(s, several, in_reward)
     return Textbook(_aggregate(per, mask, valid.double(), m.norm, cfg.norm_constant), br, req)
+
+
+def _kept_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method) -> Textbook:
+    """Rejection sampling (DeepSeekMath 5.2.1): the SFT objective on the valid samples whose reward clears the
+    threshold, each token's log-likelihood weighed by the sampler correction (pi_old = pi: one pass)."""
+    s, mask = m.settings, raw.loss_mask.double()
+    kept = raw.valid & (raw.rewards >= s.reward_threshold)
+    br = Counter(
+        {"kept": int(kept.sum()), "rejected": int((raw.valid & ~kept).sum()), "failed rewards": int((~raw.valid).sum())}
+    )
+    old = lp_all[raw.row_id].detach()  # pi_old: the policy at the step
+    c = _sampler_weight(s, old, raw.sample_logps.double(), mask, mask.bool() & kept[:, None], br)
+    J = _aggregate(lp_all[raw.row_id] * c, mask, kept.double(), m.norm, m.cfg.norm_constant)
+    return Textbook(J, br, {"kept", "rejected", "failed rewards"} | _sampler_required(s))
 
 
 def _pair_loss(

@@ -45,7 +45,8 @@ def _definer(cls: type, attr: str) -> str:
 
 class World:
     """Rows by id and what the stub's models say of them: the policy's logits, pi_old = pi / exp(log_ratio),
-    pi_ref = pi * exp(ref_offset), and a critic V(token, position)."""
+    pi_ref = pi * exp(ref_offset), the sampler's pi_old / exp(sample_offset) (check/sampler.py), and a critic
+    V(token, position)."""
 
     def __init__(self, n: int, gen: torch.Generator) -> None:
         pos = torch.arange(L)[None]
@@ -57,6 +58,7 @@ class World:
         self.logits = 1.5 * torch.randn(n, L, V, generator=gen, dtype=torch.float64)  # [n, L, V]
         self.log_ratio = torch.zeros(n, L, dtype=torch.float64)  # log pi - log pi_old, set by a builder
         self.ref_offset = 0.5 * torch.randn(n, L, generator=gen, dtype=torch.float64)  # log pi_ref - log pi
+        self.sample_offset = torch.zeros(n, L, dtype=torch.float64)  # log pi_old - log pi_sampler, set by a builder
         self.value_table = torch.randn(V, L, generator=gen)  # [V, L]
 
     def logps(self, logits: torch.Tensor | None = None, tau: float = 1.0) -> torch.Tensor:

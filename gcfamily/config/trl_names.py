@@ -135,6 +135,16 @@ TRL_NAMES: dict[str, Spelling] = {
     "reward_model_name_or_path": Spelling("--reward-model"),
     "log_completions": Spelling("log_completions_every"),
     "use_vllm": Spelling(None, note="the policy samples its own completions"),
+    "vllm_importance_sampling_correction": Spelling(
+        "tis",
+        note="True: tis set to a mode (token_truncate, token_mask, sequence_truncate, sequence_mask); False: tis=off, "
+        "gcfamily's default; TRL's default True acts only with use_vllm, in its default mode sequence_mask",
+    ),
+    "vllm_importance_sampling_mode": Spelling("tis", note="TRL's four mode names, for every on-policy method"),
+    "vllm_importance_sampling_clip_max": Spelling(
+        "tis_max", note="3.0 by default, as TRL's; TRL's None (no upper bound) has no equivalent: give a large bound"
+    ),
+    "vllm_importance_sampling_clip_min": Spelling("tis_min", note="none by default (no lower bound), as TRL's"),
     "num_iterations": Spelling("mu"),
     "steps_per_generation": Spelling(
         "num_minibatches", note="a generation split into this many optimizer steps, in order (TRL shuffles first)"

@@ -4,6 +4,7 @@
     services.py      Services, the Protocol a method asks the run through
     registry.py      METHODS, the table of built-in methods, and get_method, the one resolver of a --method spec
     onpolicy.py      prompts -> G sampled completions -> rewards, shared by the on-policy methods
+    tis.py           truncated importance sampling against the sampler's log-probs (the on-policy methods' tis setting)
     pools.py         pools of the initial policy's own samples (offline RFT, DPO on the model's own pairs)
     sft.py, dpo.py, rft.py, grpo.py, ppo.py, ...  one family each
 

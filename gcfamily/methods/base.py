@@ -13,7 +13,7 @@ suite can check, on random inputs, that the engine's gradient equals autograd of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 
@@ -23,7 +23,7 @@ from gcfamily.core.engine import effective_mask, example_weights, token_weights
 from gcfamily.data.batches import epoch_indices
 from gcfamily.methods.services import LocalServices, Services
 
-__all__ = ["Batch", "GENERATED", "Method", "ROW", "STEP", "Stats", "TOKEN", "heldout_normaliser"]
+__all__ = ["Batch", "EXTREMES", "GENERATED", "Method", "ROW", "STEP", "Stats", "TOKEN", "extreme", "heldout_normaliser"]
 
 if TYPE_CHECKING:
     from gcfamily.data.encoding import Encoded
@@ -32,6 +32,15 @@ Stats = dict[str, float]
 """A step's statistics, returned beside its batch by `data` and `prepare` and logged under their names."""
 GENERATED = "tokens/generated"
 """The statistic in which a data source that samples reports how many tokens it generated (budgets and FLOPs count it)."""
+EXTREMES: dict[str, Callable[[Iterable[float]], float]] = {"_max": max, "_min": min}
+"""A figure whose name ends so is a maximum or a minimum (tis/ratio_max, rollout/logp_diff_max): where the figures of
+several micro-batches (run/step.py) or ranks (run/distributed.py) make one, it is their max or min, never their mean.
+No other figure's name may end so."""
+
+
+def extreme(key: str) -> Callable[[Iterable[float]], float] | None:
+    """max for a figure named ..._max, min for ..._min (EXTREMES); None for a figure that is averaged."""
+    return next((f for end, f in EXTREMES.items() if key.endswith(end)), None)
 
 
 DRAWN_FROM = ("examples", "pairs", "pool_prompts", "rows")
@@ -164,7 +173,8 @@ class Method:
         return False
 
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        """Method-specific metrics of one micro-batch (sums or means; the trainer averages)."""
+        """Method-specific metrics of one micro-batch: means, which the trainer averages weighted by the micro-batches'
+        loss tokens, and maxima or minima named ..._max or ..._min, which it combines by max or min (EXTREMES)."""
         return {}
 
     def after_step(self, step: int) -> dict[str, float]:

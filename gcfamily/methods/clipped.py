@@ -16,6 +16,17 @@ Each part is one hook a variant overrides alone:
 g_t is dr/dlogp_t scaled by (sum of the row's aggregation weights) / w_t, so that the engine's weighted
 loss has the objective's gradient: r_t itself for a token ratio, s_i for GSPO's s_i = exp(mean_t log r_t).
 
+With the sampler correction on (setting tis, OnPolicy.sampler_correction), the clipped term of each token is
+multiplied by c_t = rho_t truncated or masked (no gradient), and the KL term is not, as TRL 1.16 multiplies its
+per-token loss by the ratio before it adds beta * KL (grpo_trainer.py, `_compute_loss`):
+
+    J   = aggregate_t[ c_t min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) - beta * KL_t ]
+    GC  = cbar_t g_t A_t 1[not clipped]  -  beta * dKL_t / dlogp_t
+
+cbar_t = c_t for a token ratio; for a sequence ratio, whose one term sits on every token of its row, it is the
+row's mean of c (w_t is constant along a row, so d/dlogp_t of sum_u w_u c_u min(s_i A_i, ...) is that mean times
+the row's weight). With kl_placement=reward the KL is part of A_t and so is weighed with it.
+
 `objective` states J in textbook form without these helpers' GC code (the exactness suite checks
 autograd of it against the engine); a variant that overrides a hook restates `objective` too.
 """
@@ -28,7 +39,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from gcfamily.config import Config, MethodSettings, resolve_settings
+from gcfamily.config import Config, resolve_settings
 from gcfamily.config.rules import require
 from gcfamily.core.engine import effective_mask
 from gcfamily.methods.base import Batch
@@ -69,7 +80,7 @@ class ClippedOnPolicy(OnPolicy):
     """Metrics are logged as PREFIX/clip_frac, PREFIX/kl, ..."""
 
     @dataclass
-    class Settings(MethodSettings):
+    class Settings(OnPolicy.Settings):
         beta: float = 0.04
         """KL weight: how much of the KL to the frozen reference policy the objective subtracts (0 loads no reference)."""
         epsilon: float = 0.2
@@ -178,7 +189,11 @@ class ClippedOnPolicy(OnPolicy):
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         adv = self.token_advantages(batch)  # [B, 1] or [B, L]
         ratio, factor = self.importance_ratio(batch, logps)  # [B, L]
-        coef = torch.where(self.clipped(ratio, adv), 0.0, factor * adv)  # [B, L]
+        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L], 1 with tis=off
+        if self.ratio_level == "sequence":  # the row's one clipped term carries every token's c: its mean (above)
+            m = batch.loss_mask.to(c.dtype)
+            c = ((c * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(c)
+        coef = torch.where(self.clipped(ratio, adv), 0.0, factor * adv * c)  # [B, L]
         if self.kl_in_loss(batch):
             d = batch.ref_logps - logps
             inside = (d.abs() <= self.kl_clamp).to(logps.dtype)  # the clamp's gradient is 0 outside
@@ -194,6 +209,7 @@ class ClippedOnPolicy(OnPolicy):
         ratio = torch.exp(log_r)
         lo, hi = self.clip_range()
         per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+        per_token = per_token * self.sampler_correction(batch, self._old(batch, logps))
         if self.kl_in_loss(batch):
             log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token - self.settings.beta * kl_value(self.kl_name, log_rho, log_r)
@@ -205,7 +221,8 @@ class ClippedOnPolicy(OnPolicy):
 
     # -- logging ---------------------------------------------------------------------
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
-        """Clip fractions at the ratio's level (tokens, or sequences), |A|, and the mean k3 KL to the reference."""
+        """Clip fractions at the ratio's level (tokens, or sequences), |A|, the mean k3 KL to the reference, and the
+        sampler/trainer mismatch (OnPolicy.metrics)."""
         p = self.metric_prefix
         mask = effective_mask(batch).bool()  # [B, L]
         n = max(int(mask.sum()), 1)
@@ -228,7 +245,7 @@ class ClippedOnPolicy(OnPolicy):
                 f"{p}/clip_low_frac": float(low.sum()) / n,
                 f"{p}/clip_high_frac": float(high.sum()) / n,
             }
-        out = {**clip, f"{p}/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
+        out = {**super().metrics(batch, logps, coef), **clip, f"{p}/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
         if batch.ref_logps is not None:
             d = (batch.ref_logps - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
             out[f"{p}/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n  # mean k3 over the step's tokens

@@ -140,7 +140,7 @@ class GRPO(ClippedOnPolicy):
             batch.kl_rewards = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
             stats = {f"{self.metric_prefix}/kl_reward_mean": float(batch.kl_rewards.mean())}
         batch, more = self.add_advantages(batch)
-        return batch, {**stats, **more}
+        return batch, {**stats, **more, **self.prepared_mismatch(batch)}  # the mismatch: here when pi_old was computed
 
     # -- reference refresh, state ----------------------------------------------------
     def after_step(self, step: int) -> dict[str, float]:

@@ -13,7 +13,8 @@ aggregate_i weighs sequence i's term by the sum of its tokens' aggregation weigh
     clipped = (A_i > 0 and s_i > 1 + eps_high) or (A_i < 0 and s_i < 1 - eps)
 
 (clipped.py's g_t = dr/dlogp_t * (sum of the row's weights) / w_t is s_i under every loss_norm, since w_t is
-constant along a row.) With one pass over one minibatch pi_old is pi, s_i = 1 and GSPO's gradient is GRPO's;
+constant along a row.) With the sampler correction (tis) the clipped term of token t is multiplied by c_t, so GC
+multiplies s_i A_i by the row's mean of c (clipped.py); a sequence tis mode gives every token the row's one c. With one pass over one minibatch pi_old is pi, s_i = 1 and GSPO's gradient is GRPO's;
 the paper splits each rollout batch into four minibatches (--set num_minibatches=4).
 
 kl_estimator=k3-importance-weighted is refused: GRPO's weighs each token's k3 by the token ratio r_t, while TRL's
@@ -79,7 +80,8 @@ class GSPO(GRPO):
         adv = batch.advantages.float()  # [B]
         lo, hi = self.clip_range()
         per_seq = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)  # [B]
-        J = self.aggregate(per_seq[:, None] * mask, batch, Z)  # sequence i weighs sum_t w_t
+        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L] each token's TIS weight, 1 with tis=off
+        J = self.aggregate(per_seq[:, None] * mask * c, batch, Z)  # sequence i weighs sum_t w_t c_t
         if self.kl_in_loss(batch):
             log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             J = J - self.settings.beta * self.aggregate(kl_value(self.kl_name, log_rho, log_r) * mask, batch, Z)

@@ -13,11 +13,18 @@ valid rewards are all equal (or that has fewer than two) forms no pair: its two 
 valid=False, so they get no gradient and no place in Z, every process keeps the same number of rows, and
 the count is logged (online_dpo/skipped_prompts). Layout, normalisation (sum, Z = pairs) and the hooks
 `rewards`/`pair_loss` are DPO's; log-probs, the policy's and pi_ref's, are at the sampling temperature.
+
+The sampler correction (tis) is refused: online DPO's loss is one sigmoid term per pair of whole sequences, not a sum
+of per-token terms a ratio could weigh, TRL has no correction for it (OnlineDPOTrainer), and weighing a pair by its
+two samples' sequence ratios would be a rule of gcfamily's own that nothing checks it against. The settings tis,
+tis_max and tis_min are there so that giving one is refused with this reason; the mismatch figures
+(rollout/logp_diff_mean, _max) are still logged.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 from einops import rearrange, repeat
@@ -30,6 +37,9 @@ from gcfamily.methods.dpo import DPO
 from gcfamily.methods.onpolicy import OnPolicy, all_equal_groups
 from gcfamily.methods.services import Services
 
+TIS_DEFAULTS = {f.name: f.default for f in fields(OnPolicy.Settings)}
+"""tis off and its bounds as they are by default: online-dpo refuses any other value (the module docstring says why)."""
+
 
 class OnlineDPO(DPO, OnPolicy):
     """Online DPO (Guo et al. 2024, arXiv:2402.04792): OnPolicy's samples, paired best vs worst, DPO's GC."""
@@ -38,9 +48,19 @@ class OnlineDPO(DPO, OnPolicy):
     data_source = "the policy's own samples: G per prompt, the best and worst by reward form a pair"
     gc_formula = "+beta*sigmoid(h_l - h_w) on the best sample's tokens, the negative on the worst's; h = beta*sum_t log(pi/pi_ref)"
 
+    @dataclass
+    class Settings(DPO.Settings, OnPolicy.Settings):
+        """DPO's settings and the on-policy sampler correction's, which stays off (the module docstring says why)."""
+
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)  # DPO's: beta > 0, loss_norm sum
+        given = [f"{k}={getattr(cfg.settings, k)}" for k, v in TIS_DEFAULTS.items() if getattr(cfg.settings, k) != v]
+        if given:
+            raise GcfError(
+                f"{cls.name} refuses {given[0]}: its loss is one term per pair of whole sequences, with no per-token "
+                "term for the sampler ratio to weigh (TRL has no such correction for online DPO); leave tis off."
+            )
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
         if cfg.settings.pairs != "dataset":
@@ -94,4 +114,5 @@ class OnlineDPO(DPO, OnPolicy):
         if not len(keep):
             return {}
         out = DPO.metrics(self, select(batch, keep), logps[keep], coef[keep])
-        return {k.replace("dpo/", "online_dpo/", 1): v for k, v in out.items()}
+        out = {k.replace("dpo/", "online_dpo/", 1): v for k, v in out.items()}
+        return {**out, **OnPolicy.metrics(self, batch, logps, coef)}  # the sampler mismatch of the pairs' rows

@@ -10,18 +10,27 @@ samples (`prepare`) and in their coefficient; the data source is this one class:
 A sample whose reward failed keeps its row but has valid=False, so the engine gives it no
 gradient and leaves it out of the normaliser Z. If every sample of a step fails, on every
 process, the run stops with one sentence naming the reward function (rewards.RewardFailure).
+
+Every on-policy method also owns the sampler correction (settings tis, tis_max, tis_min; gcfamily/methods/tis.py):
+`sampler_correction` is the weight w_t = rho truncated or masked, rho = pi_old/pi_sampler, that each method's
+per-token term is multiplied by, and `metrics` logs the sampler/trainer mismatch of every step that carries the
+sampler's log-probs (rollout/logp_diff_mean and _max; with tis on, tis/ratio_mean, _min, _max and tis/masked_frac).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from gcfamily.config import Config
+from gcfamily.config import Config, MethodSettings, resolve_settings
+from gcfamily.config.rules import require
+from gcfamily.core.engine import effective_mask
 from gcfamily.errors import GcfError
+from gcfamily.methods import tis
 from gcfamily.methods.base import GENERATED, Batch, Method, Stats
 from gcfamily.methods.samples import sample_scored
 from gcfamily.methods.services import Services
@@ -39,12 +48,32 @@ class OnPolicy(Method):
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
     data_kind = "prompts"
 
+    @dataclass
+    class Settings(MethodSettings):
+        tis: str = "off"
+        """Truncated importance sampling against the sampler (TRL's vllm_importance_sampling_mode): each token's term
+        weighed by rho = pi_old/pi_sampler (no gradient), per token (token_truncate, token_mask) or one product per
+        row (sequence_truncate, sequence_mask), clamped into [tis_min, tis_max] (*_truncate) or 0 outside it (*_mask);
+        off: no weight (docs/methods.md, "Sampler correction")."""
+        tis_max: float = 3.0
+        """Upper bound of the TIS ratio (TRL's vllm_importance_sampling_clip_max): clamped to it, or masked above it."""
+        tis_min: Optional[float] = None
+        """Lower bound of the TIS ratio (TRL's vllm_importance_sampling_clip_min); none: no lower bound."""
+
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
         if cfg.group_size < 1:
             raise GcfError("Invalid setting: group_size must be >= 1.")
+        s = resolve_settings(cfg, cls).settings
+        require(
+            [
+                (s.tis in tis.MODES, f"tis must be one of {', '.join(tis.MODES)} (got {s.tis!r})"),
+                (s.tis_max > 0, f"tis_max must be > 0 (got {s.tis_max})"),
+                (s.tis_min is None or s.tis_min < s.tis_max, f"tis_min must be below tis_max={s.tis_max} or none"),
+            ]
+        )
 
     def setup(self, services: Services) -> None:
         super().setup(services)
@@ -155,6 +184,40 @@ class OnPolicy(Method):
     def logprob_temperature(self) -> float:
         """Log-probs at the sampling temperature, so the ratio against pi_old starts at exactly 1."""
         return self.cfg.temperature
+
+    # -- the sampler correction (gcfamily/methods/tis.py) ------------------------------
+    def sampler_correction(self, batch: Batch, old_logps: torch.Tensor) -> torch.Tensor:
+        """w [B, L], no gradient: rho = pi_old/pi_sampler truncated (*_truncate) or masked (*_mask) as the setting tis
+        says, 1 everywhere with tis=off. old_logps: pi_old's, the current log-probs where prepare computed none. A
+        method multiplies its per-token term by w (its docstring says which term)."""
+        s = self.settings
+        if s.tis == "off":
+            return torch.ones_like(old_logps)
+        if batch.sample_logps is None:
+            raise GcfError(
+                f"tis={s.tis} weighs each token by pi_old/pi_sampler, but this batch has no sampler log-probs "
+                "(sample_logps), so there is nothing to correct against; set tis=off for data sampled elsewhere."
+            )
+        rho = tis.sampler_ratio(s.tis, old_logps, batch.sample_logps, batch.loss_mask)
+        return tis.weight(s.tis, rho, s.tis_min, s.tis_max).detach()  # [B, L]
+
+    def mismatch_metrics(self, batch: Batch, old_logps: torch.Tensor) -> Stats:
+        """tis.mismatch_metrics over the loss tokens of the valid rows; none for a batch without sample_logps."""
+        if batch.sample_logps is None:
+            return {}
+        s = self.settings
+        on = effective_mask(batch)  # [B, L]
+        return tis.mismatch_metrics(s.tis, old_logps, batch.sample_logps, batch.loss_mask, on, s.tis_min, s.tis_max)
+
+    def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
+        """The sampler/trainer mismatch of this micro-batch where pi_old is its forward (one pass over one minibatch).
+        Where prepare computed pi_old, every optimizer step of the batch sees the same figures and `prepared_mismatch`
+        reports them once for the whole step (the trainer averages over optimizer steps, which no max survives)."""
+        return {} if batch.old_logps is not None else self.mismatch_metrics(batch, logps)
+
+    def prepared_mismatch(self, batch: Batch) -> Stats:
+        """The whole step's mismatch figures, for prepare's statistics, where prepare computed pi_old; else none."""
+        return {} if batch.old_logps is None else self.mismatch_metrics(batch, batch.old_logps)
 
 
 def make_rewards(cfg: Config, services: Services, method: str, steps: bool = False) -> Rewards:

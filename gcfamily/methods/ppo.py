@@ -243,7 +243,7 @@ class PPO(ClippedOnPolicy):
             stats["ppo/kl_penalty_mean"] = (
                 float((self.settings.beta * self.kl_reward(batch.ref_logps, old) * valid).sum()) / n
             )
-        return batch, stats
+        return batch, {**stats, **self.prepared_mismatch(batch)}  # the sampler mismatch, when pi_old was computed
 
     @torch.no_grad()
     def critic_values(self, batch: Batch) -> torch.Tensor:

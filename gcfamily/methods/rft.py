@@ -9,6 +9,11 @@ Objective (DeepSeekMath 5.2.1, "RFT"/"Online RFT"), maximised:
 Samples that are not kept get valid=False: no gradient and no place in the normaliser, so J is
 SFT's token mean over the kept samples alone (rather than diluted by the rejected ones). A step
 that keeps nothing has a zero gradient.
+
+With the sampler correction on (setting tis, OnPolicy.sampler_correction) each kept token's log-likelihood is
+multiplied by c_t = pi_old/pi_sampler truncated or masked (no gradient; pi_old is the current policy, one pass):
+J = sum_{o kept} sum_t c_t log pi(o_t) / Z and GC = c_t 1[o kept]. rft-offline refuses it: its pool was drawn once
+from the initial policy and keeps no sampler log-probs, so there is no sampler to correct against.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from gcfamily.config import MethodSettings
+from gcfamily.config import Config
 from gcfamily.data.batches import collate, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
@@ -36,7 +41,7 @@ class RFT(OnPolicy):
     default_norm = "token"
 
     @dataclass
-    class Settings(MethodSettings):
+    class Settings(OnPolicy.Settings):
         reward_threshold: float = 0.5
         """A sample is kept (GC = 1) when its reward is at least this."""
 
@@ -48,10 +53,12 @@ class RFT(OnPolicy):
         return batch, {"rft/kept_frac": float(kept.float().mean())}
 
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
-        return batch.kept.float()[:, None] * batch.loss_mask.float()  # [B, L]
+        c = self.sampler_correction(batch, logps.detach())  # [B, L], 1 with tis=off; pi_old is pi (one pass)
+        return batch.kept.float()[:, None] * batch.loss_mask.float() * c  # [B, L]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        return self.aggregate(batch.kept.float()[:, None] * logps, batch, Z)
+        c = self.sampler_correction(batch, logps.detach())
+        return self.aggregate(batch.kept.float()[:, None] * c * logps, batch, Z)
 
 
 class OfflineRFT(RFT):
@@ -74,6 +81,15 @@ class OfflineRFT(RFT):
         pool from this run's initial policy at its first step."""
         pool_prompts: int = 0
         """Training prompts the pool samples G completions of (a seeded choice); 0 = every training prompt."""
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)
+        if cfg.settings.tis != "off":
+            raise GcfError(
+                f"{cls.name} trains on a pool drawn once from the initial policy, which keeps no sampler log-probs to "
+                f"correct against, so tis={cfg.settings.tis} cannot apply; use tis=off, or --method rft to sample every step."
+            )
 
     def setup(self, services: Services) -> None:
         super().setup(services)  # the prompts, the reward and the sampling settings, as online RFT's

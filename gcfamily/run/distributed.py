@@ -37,6 +37,7 @@ from torch import nn
 
 from gcfamily.core.engine import LogprobModel
 from gcfamily.errors import GcfError
+from gcfamily.methods.base import extreme
 
 # each rank holds a share: add them
 SUM_METRICS = (
@@ -294,7 +295,8 @@ class DistEnv:
                     p.grad.div_(self.world_size)
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """One row for the log: shares added (loss, tokens), times and memory the max, the rest averaged."""
+        """One row for the log: shares added (loss, tokens), times and memory the max, a figure named ..._max or ..._min
+        the max or min over the ranks (methods/base.py's EXTREMES), the rest averaged over the ranks."""
         rows: list[Any] = [None] * self.world_size
         dist.all_gather_object(rows, metrics)
         out: dict[str, float] = {}
@@ -305,6 +307,8 @@ class DistEnv:
                 out[k] = sum(vals)
             elif k.startswith(MAX_PREFIXES):
                 out[k] = max(finite)
+            elif (how := extreme(k)) is not None:
+                out[k] = how(finite)
             else:
                 out[k] = sum(finite) / len(finite)
         return out

@@ -1,7 +1,8 @@
 """One optimizer step of the policy, in three parts a reader can name and a test can call:
 
     backward   every micro-batch forward and backward: the method's coefficient, the engine's one weighted loss
-    metrics    the step's figures, token-weighted over its micro-batches, read after every backward is queued
+    metrics    the step's figures, token-weighted over its micro-batches (a ..._max or ..._min by max or min), read
+               after every backward is queued
     apply      the optimizer step proper: gradients checked finite on every rank, clipped, stepped, zeroed
 
 and beside them a step of a method that trains only its own model, and the run's two refusals of bad steps. The Trainer
@@ -26,7 +27,7 @@ from gcfamily.core.memory import release_free_heap
 from gcfamily.core.precision import Precision
 from gcfamily.data.batches import split_batch
 from gcfamily.errors import GcfError, Interrupted
-from gcfamily.methods.base import Batch, Method
+from gcfamily.methods.base import Batch, Method, extreme
 from gcfamily.run import checkpoint_format
 from gcfamily.run.distributed import DistEnv
 
@@ -102,28 +103,42 @@ def total_loss(done: list[MicroBatchResult]) -> float:
     return float(torch.stack([d[4].double() for d in done]).sum()) if done else 0.0
 
 
+def combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """One row from the figures of several parts, each with its weight: a figure named ..._max or ..._min is the max
+    or min over the parts that report it (methods/base.py's EXTREMES; NaN if one is), any other the weighted sum over
+    the parts divided by the weight of them all (a part without the figure counts as 0)."""
+    weighted: dict[str, float] = {}
+    extremes: dict[str, float] = {}
+    for figures, w in parts:
+        for key, v in figures.items():
+            how = extreme(key)
+            if how is None:
+                weighted[key] = weighted.get(key, 0.0) + v * w
+            else:
+                # a NaN stays (max([nan, 1.0]) is nan, max([1.0, nan]) is not): it says a part's figure broke
+                extremes[key] = v if key not in extremes or math.isnan(v) else how([extremes[key], v])
+    total = sum(w for _, w in parts)
+    return {**{k: v / total for k, v in weighted.items()}, **extremes}
+
+
 def metrics(done: list[MicroBatchResult], method: Method) -> tuple[dict[str, float], int]:
     """The step's figures (GC statistics, entropy, the method's own and its second model's), each micro-batch's
-    weighted by its loss tokens; and the loss tokens in all."""
+    weighted by its loss tokens, maxima and minima by max and min (`combine`); and the loss tokens in all."""
     m = method
-    sums: dict[str, float] = {}
+    parts: list[tuple[dict[str, float], float]] = []
     n_tok = 0
     for mb, logps, entropy, coef, _, m_aux in done:
         mask = engine.effective_mask(mb)
         k = int(mask.sum())
         n_tok += k
-        for stats in (
-            {
-                **gc_stats(coef, mask),
-                "entropy": float((entropy * mask).sum()) / max(k, 1),
-                **m.metrics(mb, logps, coef),
-            },
-            m_aux,
-        ):
-            for key, v in stats.items():
-                sums[key] = sums.get(key, 0.0) + v * max(k, 1)
-    weight = sum(max(int(engine.effective_mask(d[0]).sum()), 1) for d in done)
-    return {k: v / weight for k, v in sums.items()}, n_tok
+        figures = {
+            **gc_stats(coef, mask),
+            "entropy": float((entropy * mask).sum()) / max(k, 1),
+            **m.metrics(mb, logps, coef),
+            **m_aux,  # the second model's figures weigh with its micro-batch's tokens too
+        }
+        parts.append((figures, max(k, 1)))
+    return combine(parts), n_tok
 
 
 def grads_finite(loss_total: float, params: list[torch.Tensor], dist: DistEnv | None) -> bool:
@@ -155,16 +170,11 @@ def apply(
 def auxiliary_only(method: Method, mbs: list[Batch], device: torch.device, prec: Precision) -> dict[str, float]:
     """One step of a method that trains only its own model (trains_policy=False): no policy pass at all; its figures,
     row-weighted, and the loss tokens."""
-    sums: dict[str, float] = {}
-    rows = 0
+    parts: list[tuple[dict[str, float], float]] = []
     for mb in mbs:
-        n = int(mb.input_ids.shape[0])
         with prec.autocast():
-            aux = method.auxiliary_step(to_device(mb, device))
-        for key, v in aux.items():
-            sums[key] = sums.get(key, 0.0) + v * n
-        rows += n
-    metrics = {k: v / max(rows, 1) for k, v in sums.items()}
+            parts.append((method.auxiliary_step(to_device(mb, device)), int(mb.input_ids.shape[0])))
+    metrics = combine(parts) if parts else {}
     metrics.update(method.auxiliary_step_end())
     return {"tokens": float(sum(int(engine.effective_mask(mb).sum()) for mb in mbs)), **metrics}
 
