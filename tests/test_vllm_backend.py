@@ -187,6 +187,7 @@ def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
         "lr": 1e-3,
         "rollout_check_tol": 1e-4,
         "progress": "false",
+        "tis": "token_truncate",
     }
     r = CliRunner().invoke(main, [*args, *[f"--set={k}={v}" for k, v in sets.items()]])
     assert r.exit_code == 0, r.output
@@ -198,6 +199,10 @@ def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
     assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)  # the policy moved every step
     pushed = [r for r in rows if "rollout/probe_gap" in r]
     assert len(pushed) == 2 and all(r["rollout/probe_gap"] <= 1e-4 for r in pushed)  # steps 2 and 3 drew after a push
+    # the engine's sampled-token log-probs against the trainer's, each step, and the truncated importance weight
+    assert all(0 < r["rollout/logp_diff_max"] <= 1e-4 for r in rows)
+    assert all(r["rollout/logp_diff_mean"] <= r["rollout/logp_diff_max"] for r in rows)
+    assert all(abs(r["tis/ratio_max"] - 1) <= 1e-4 and abs(r["tis/ratio_min"] - 1) <= 1e-4 for r in rows)
 
 
 @needs_vllm
@@ -244,10 +249,11 @@ def test_a_run_whose_push_leaves_a_layer_behind_stops_with_the_sentence(tmp_path
         ],
     )
     assert r.exit_code != 0
-    assert re.fullmatch(
-        r"error: The vLLM engine's weights do not match the policy's \(after the weight push of optimizer step 1\): its "
+    assert r.output.startswith("note: rollout=vllm samples with the engine's own generator")
+    assert re.search(
+        r"\nerror: The vLLM engine's weights do not match the policy's \(after the weight push of optimizer step 1\): its "
         r"log-probs of the probe sequence differ by up to \S+ nats \(rollout_check_tol=0.001\); a weight push left a "
-        r"layer behind\.\n",
+        r"layer behind\.\n$",
         r.output,
     )
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -134,7 +134,13 @@ TRL_NAMES: dict[str, Spelling] = {
     "reward_weights": Spelling("reward_weights"),
     "reward_model_name_or_path": Spelling("--reward-model"),
     "log_completions": Spelling("log_completions_every"),
-    "use_vllm": Spelling(None, note="the policy samples its own completions"),
+    "use_vllm": Spelling(
+        "rollout",
+        "vllm",
+        note="colocated in the run's process (TRL's vllm_mode=colocate), the weights pushed and checked after every "
+        "optimizer step; TRL's server mode has no equivalent",
+    ),
+    "vllm_gpu_memory_utilization": Spelling("vllm_gpu_memory"),
     "vllm_importance_sampling_correction": Spelling(
         "tis",
         note="True: tis set to a mode (token_truncate, token_mask, sequence_truncate, sequence_mask); False: tis=off, "
