@@ -19,12 +19,14 @@ with top-p or top-k the sampled tokens' log-probs are those of the truncated dis
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
@@ -101,6 +103,24 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
         yield name, p.detach().to(dtype)
 
 
+def write_checkpoint(config: Any, weights: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+    """The engine's starting checkpoint: config.json and model.safetensors, written directly. A model that transformers
+    dequantized on load (a GGUF file) keeps a quantization entry in its config that save_pretrained refuses and vLLM
+    would follow; its weights are plain tensors, so the entry is dropped. A tied output projection is written once."""
+    from safetensors.torch import save_file
+
+    entries = config.to_dict()
+    entries.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(entries, indent=1, default=str))
+    state, seen = {}, set()
+    for name, w in weights:
+        if w.data_ptr() in seen:  # the same storage under a second name: a tied weight
+            continue
+        seen.add(w.data_ptr())
+        state[name] = w.contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 @contextlib.contextmanager
 def engine_errors(what: str) -> Iterator[None]:
     """vLLM's own failures (an unsupported model or attention shape, too little memory) as one sentence."""
@@ -163,18 +183,12 @@ class VllmBackend:
         folder = tempfile.mkdtemp(prefix="gcf-vllm-")
         threads = torch.get_num_threads()
         try:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # the engine's copy is not the run's to report
-            try:
-                base.save_pretrained(folder, state_dict=dict(policy_weights(self.model, self.options.dtype)))
-            finally:
-                hf_logging.enable_progress_bar()
-            self.tokenizer.save_pretrained(folder)
-            limit = context_length(base)
-            kw: dict[str, Any] = {} if self.cpu else {"gpu_memory_utilization": self.options.gpu_memory}
             with engine_errors("start on this model"):
+                base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+                write_checkpoint(base.config, policy_weights(self.model, self.options.dtype), Path(folder))
+                self.tokenizer.save_pretrained(folder)
+                limit = context_length(base)
+                kw: dict[str, Any] = {} if self.cpu else {"gpu_memory_utilization": self.options.gpu_memory}
                 return self.vllm.LLM(
                     model=folder,
                     dtype=self.options.dtype,
