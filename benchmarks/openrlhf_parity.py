@@ -178,7 +178,7 @@ OPTIONS: dict[str, Entry] = {
         _ppo(use_kl_loss=True, kl_coef=0.05, kl_estimator="k1"),
     ),
     f"--algo.kl.estimator k2 {KL}": Entry(
-        GN + f" beta=0.05 kl_estimator=k2 kl_clamp={SQRT20!r}",
+        BASE + f" beta=0.05 kl_estimator=k2 kl_clamp={SQRT20!r}",
         "the value clamp at 10 is |log(pi/pi_ref)| <= sqrt(20): kl_clamp=4.47213595499958",
         _ppo(use_kl_loss=True, kl_coef=0.05, kl_estimator="k2"),
     ),
@@ -300,6 +300,12 @@ OPTIONS: dict[str, Entry] = {
         "--method grpo --set mu=2 std_eps=1e-9 loss_norm=sequence beta=0.05 kl_estimator=k1 kl_clamp=10",
         "",
         _ppo(agg="seq-mean-token-mean", use_kl_loss=True, kl_coef=0.05, kl_estimator="k1"),
+        expect="differ",
+    ),
+    "control: KL in the reward (k1, 0.05) vs kl_placement=reward": Entry(
+        BASE + " beta=0.05 kl_placement=reward kl_estimator=k1 kl_clamp=10",
+        "",
+        _ppo(kl_coef=0.05, kl_estimator="k1"),
         expect="differ",
     ),
     "control: seq-level mask vs tis=sequence_mask": Entry(
@@ -484,7 +490,8 @@ def policy_case(seed: int, far: bool) -> dict[str, torch.Tensor]:
 
 
 def orl_advantages(o: dict, e: Entry, case: dict, dtype: torch.dtype) -> torch.Tensor:
-    """A [B, T] from RemoteExperienceMaker.compute_advantages_and_returns (KL in the loss: the reward carries none)."""
+    """A [B, T] from RemoteExperienceMaker.compute_advantages_and_returns; without use_loss and with a KL coefficient,
+    the experience carries make_experience's KL of pi_old to pi_ref, which compute_reward adds to the token rewards."""
     ns = types.SimpleNamespace
     args = ns(
         reward=ns(overlong_buffer_len=None, stop_properly_penalty_coef=None, clip_range=(-10.0, 10.0)),
@@ -495,10 +502,14 @@ def orl_advantages(o: dict, e: Entry, case: dict, dtype: torch.dtype) -> torch.T
     maker.strategy, maker.args, maker.advantage_estimator = ns(args=args), args, e.orl["estimator"]
     maker.kl_ctl = ns(value=e.orl["kl_coef"])
     mask = case["mask"].bool()
+    kl = torch.zeros(mask.shape, dtype=dtype)  # with use_loss (or no coefficient) make_experience stores zeros
+    if not e.orl["use_kl_loss"] and e.orl["kl_coef"] > 0:
+        old, ref = case["old"][:, P:].to(dtype), case["ref"][:, P:].to(dtype)
+        kl = o["utils"].compute_approx_kl(old, ref, kl_estimator=e.orl["kl_estimator"])
     exp = ns(
         rewards=case["rewards"].to(dtype),
         action_mask=mask,
-        kl=torch.zeros(mask.shape, dtype=dtype),  # with use_loss the experience's KL is zeros (make_experience)
+        kl=kl,
         values=None,
         index=list(range(len(mask))),
         info={},
@@ -647,6 +658,7 @@ def markdown_table() -> str:
     """docs/openrlhf-mapping.md's table, from OPTIONS alone (no OpenRLHF needed)."""
     lines = ["| OpenRLHF 0.11.2 | gcfamily | status | |", "|---|---|---|---|"]
     for opt, gcf, status, note in static_rows():
+        note = note.replace("|", "\\|")  # a table cell
         lines.append(f"| `{opt}` | {f'`{gcf}`' if gcf else '-'} | {status} | {note} |")
     return "\n".join(lines)
 
