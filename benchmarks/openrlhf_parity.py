@@ -72,7 +72,8 @@ class Entry:
     case: str = "far"
     """far: the reference has tokens past every KL clamp; near: none past OpenRLHF's k3 value clamp."""
     expect: str = "match"
-    """match, or differ (a control: a near-miss that must not match)."""
+    """match; differs (gcfamily's closest spelling, known to differ: the note says how); or differ (a control: a
+    near-miss a user might take for OpenRLHF's setting). Both kinds of difference must be at least CONTROL_MIN."""
     compared: bool = True
     """False: a spelling only, not a row of its own (a count, a part of the checked rows, or, as the note says, a loss
     this harness does not compare)."""
@@ -84,13 +85,15 @@ class Entry:
             return "not expressible"
         if not self.compared:
             return "spelling only"
-        return "control (must differ)" if self.expect == "differ" else "checked"
+        return {"differ": "control (must differ)", "differs": "checked: differs"}.get(self.expect, "checked")
 
 
 def _ppo(**kw: Any) -> dict:
     """OpenRLHF's defaults of the checked PPO rows, with mu = 2 (pi_old != pi) and the KL off."""
     return {
         "estimator": "group_norm",
+        "gamma": 1.0,
+        "lambd": 1.0,
         "eps": (0.2, 0.2),
         "dual_clip": None,
         "agg": "token-mean",
@@ -133,15 +136,17 @@ OPTIONS: dict[str, Entry] = {
         None, "R - the mean of this rollout batch; gcfamily's reinforce-baseline subtracts a mean of past steps"
     ),
     "--algo.advantage.estimator gae": Entry(
-        "--method ppo --set gamma=... lam=...",
-        "GAE on a critic; not compared: gcfamily's PPO whitens with the sample std, OpenRLHF with the population std "
-        "clamped at 1e-8, and the comparison needs a critic on both sides",
-        compared=False,
+        "--method ppo --set mu=2 beta=0 loss_norm=token gamma=1 lam=0.95",
+        "GAE on the same critic values, then whitened over the batch's tokens: OpenRLHF divides by the population "
+        "std (rsqrt of the variance clamped at 1e-8), gcfamily's PPO by the sample std + 1e-8, so A_t differs by a "
+        "factor sqrt((n-1)/n)",
+        _ppo(estimator="gae", lambd=0.95),
+        expect="differs",
     ),
     "--algo.advantage.gamma": Entry(
-        "--method ppo --set gamma=...", "GAE and reinforce only (1 for the group estimators)", compared=False
+        "--method ppo --set gamma=...", "GAE (above); 1 for the group estimators", compared=False
     ),
-    "--algo.advantage.lambd": Entry("--method ppo --set lam=...", "GAE only", compared=False),
+    "--algo.advantage.lambd": Entry("--method ppo --set lam=...", "GAE only (above)", compared=False),
     "--algo.advantage.no_std_norm": Entry(
         None, "gae, reinforce and reinforce_baseline only: centre without dividing; gcfamily's PPO always whitens"
     ),
@@ -474,7 +479,9 @@ def policy_case(seed: int, far: bool) -> dict[str, torch.Tensor]:
         ref[full, P + 4] = logps[full, P + 4] + 12.0
         ref[full, P + 5] = logps[full, P + 5] - 12.0
     mask = (torch.arange(T)[None] < lengths[:, None]).double()  # [B, T] completion tokens
+    values = 0.5 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T] a critic's V (gae only)
     return {
+        "values": values,
         "rewards": rewards,
         "lengths": lengths,
         "mask": mask,
@@ -496,7 +503,9 @@ def orl_advantages(o: dict, e: Entry, case: dict, dtype: torch.dtype) -> torch.T
     args = ns(
         reward=ns(overlong_buffer_len=None, stop_properly_penalty_coef=None, clip_range=(-10.0, 10.0)),
         rollout=ns(n_samples_per_prompt=G, max_new_tokens=T),
-        algo=ns(advantage=ns(estimator=e.orl["estimator"], gamma=1.0, lambd=1.0, no_std_norm=False)),
+        algo=ns(
+            advantage=ns(estimator=e.orl["estimator"], gamma=e.orl["gamma"], lambd=e.orl["lambd"], no_std_norm=False)
+        ),
     )
     maker = object.__new__(o["maker"])
     maker.strategy, maker.args, maker.advantage_estimator = ns(args=args), args, e.orl["estimator"]
@@ -510,7 +519,7 @@ def orl_advantages(o: dict, e: Entry, case: dict, dtype: torch.dtype) -> torch.T
         rewards=case["rewards"].to(dtype),
         action_mask=mask,
         kl=kl,
-        values=None,
+        values=case["values"][:, P:].to(dtype),  # the critic's, read by gae only
         index=list(range(len(mask))),
         info={},
     )
@@ -600,8 +609,23 @@ def gcf_policy(tp: Any, e: Entry, case: dict, dtype: torch.dtype) -> dict[str, A
         valid=torch.ones(B, dtype=torch.bool),
         sample_logps=case["sample"].to(dtype),
     )
+    if method.name == "ppo":  # the critic: the case's values (float32, as ValueModel's head gives them)
+        method.critic = _Critic(case["values"])
+        method.services.device = torch.device("cpu")
     batch, _ = method.prepare(batch)
     return tp._step(method, batch, case["logps"].to(dtype))
+
+
+class _Critic:
+    """PPO's critic as PPO.critic_values calls it, (ids, attention, loss mask) -> V [b, L], here the case's values."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values, self.start = values, 0
+
+    def __call__(self, ids: torch.Tensor, am: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+        out = self.values[self.start : self.start + len(ids)]
+        self.start += len(ids)
+        return out
 
 
 def gcf_dpo(tp: Any, e: Entry, case: dict, dtype: torch.dtype) -> dict[str, Any]:
@@ -710,10 +734,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok = same if e.expect == "match" else (d64 >= CONTROL_MIN and d32 >= CONTROL_MIN)
         if not ok:
             failed.append(key)
-        if e.expect == "match":
+        if e.expect != "differ":
             counts[status] += 1
             largest = max(largest, d64) if same else largest
-        shown = status + ("" if ok else " FAIL") + (" (control)" if e.expect == "differ" else "")
+        shown = (
+            status
+            + ("" if ok else " FAIL")
+            + (" (control)" if e.expect == "differ" else " (known)" if e.expect == "differs" else "")
+        )
         print(f"{key:<{w}}  {shown:<16} {d64:14.2e} {d32:14.2e} {scale:9.2e}  {e.gcf}")
     print("Policy cases reached (summed over rows and seeds): " + ", ".join(f"{k} {v}" for k, v in cov.items()))
     print(

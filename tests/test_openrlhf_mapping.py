@@ -36,7 +36,8 @@ def test_every_scoped_flag_has_a_row() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", [k for k, e in parity.OPTIONS.items() if e.status in ("checked", "control (must differ)")]
+    "key",
+    [k for k, e in parity.OPTIONS.items() if e.status in ("checked", "checked: differs", "control (must differ)")],
 )
 def test_a_checked_spelling_is_a_method_gcfamily_builds(key: str) -> None:
     """The `--method ... --set ...` of every compared row is typed, defaulted and validated as `gcf run` does it."""
