@@ -2,14 +2,15 @@
 OpenRLHF's own functions.
 
     python3 -m venv /tmp/orl-venv
-    /tmp/orl-venv/bin/pip install torch==2.13.0            # the CPU build (an unpinned torch pulls CUDA wheels)
+    /tmp/orl-venv/bin/pip install torch==2.13.0               # the CPU build (an unpinned torch pulls CUDA wheels)
     /tmp/orl-venv/bin/pip install --no-deps openrlhf==0.11.2  # nothing else: ray, deepspeed, vllm, transformers stubbed
-    PYTHONPATH=. /tmp/orl-venv/bin/python benchmarks/openrlhf_parity.py          # the table, 3 random cases per row
-    PYTHONPATH=. /tmp/orl-venv/bin/python benchmarks/openrlhf_parity.py --markdown  # docs/openrlhf-mapping.md's table
+    PYTHONPATH=.:.venv/lib/python3.11/site-packages /tmp/orl-venv/bin/python benchmarks/openrlhf_parity.py
+    .venv/bin/python benchmarks/openrlhf_parity.py --markdown  # docs/openrlhf-mapping.md's table, no OpenRLHF needed
 
-(gcfamily's own imports, einops among them, must be importable by that python: put the project venv's site-packages
-after the check venv's on PYTHONPATH, or install einops into /tmp/orl-venv.) Without OpenRLHF the script says so and
-exits 0; `--markdown` never needs it (it prints the static table below).
+The fourth line runs the check venv's python with the project venv's site-packages first on the path: gcfamily's
+dependencies (transformers, einops) and the same torch 2.13.0 come from the project venv, and only `openrlhf` from the
+check venv (the project venv never holds it; gcfamily never imports it). Without OpenRLHF the script says so and
+exits 0.
 
 What runs on OpenRLHF's side is its real code, loaded from its files without its package `__init__`s (which pull in
 transformers, DeepSpeed and Ray): `openrlhf/models/loss.py` (PolicyLoss, aggregate_loss, DPOLoss),
