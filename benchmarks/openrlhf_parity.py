@@ -127,8 +127,9 @@ OPTIONS: dict[str, Entry] = {
     ),
     "--algo.advantage.estimator reinforce_baseline": Entry(
         None,
-        "R - group mean, then whitened over every action token of the batch (population std); gcfamily's "
-        "reinforce-baseline subtracts a moving average of past steps and whitens nothing",
+        "R - group mean, then centred and divided by the population std over every action token of the batch; "
+        "gcfamily's reinforce-baseline subtracts a moving average of past steps (scale_rewards=batch divides by the "
+        "rewards' std, without re-centring)",
     ),
     "--algo.advantage.estimator reinforce": Entry(
         None, "discounted return per token, whitened over every action token of the batch; gcfamily has no such rule"
