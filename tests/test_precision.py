@@ -1,6 +1,7 @@
 """Mixed precision: bf16 compute over float32 master weights and AdamW state; pure bf16 only on request."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -191,3 +192,20 @@ def test_grpo_step_under_bf16_compute(tmp_path):
     tr.run()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["skipped_steps"] == 0 and abs(row["grpo/kl"]) < 1e-3  # pi_ref and pi computed alike: KL ~ 0 at step 1
+
+
+def test_a_mixed_precision_run_says_its_log_prob_gap_to_float32_past_the_bound(tmp_path, capsys):
+    """16-bit compute over float32 weights: the probe text's log-probs under bf16 against float32, said on the run's
+    first lines when the mean gap passes logprob_error_bound; silent under it and in float32."""
+    Trainer(Config(output_dir=str(tmp_path / "a"), **{**SFT, "dtype": "bfloat16", "logprob_error_bound": 1e-7}))
+    err = capsys.readouterr().err
+    m = re.search(
+        r"note: under dtype=bfloat16 this model's log-probs of a probe text differ from float32 by (\S+) nats "
+        r"a token on average \(up to (\S+)\), past logprob_error_bound=1e-07; ratios and KL see gaps of this "
+        r"size \(docs/precision.md\)\.\n",
+        err,
+    )
+    assert m and 1e-7 < float(m[1]) <= float(m[2]) < 0.01, err  # the tiny random model's gap is small but not zero
+    Trainer(Config(output_dir=str(tmp_path / "b"), **{**SFT, "dtype": "bfloat16"}))  # the default bound, 0.01
+    Trainer(Config(output_dir=str(tmp_path / "c"), **{**SFT, "dtype": "float32", "logprob_error_bound": 1e-7}))
+    assert "note: under dtype" not in capsys.readouterr().err

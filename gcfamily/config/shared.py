@@ -58,6 +58,9 @@ class Config(DataSettings):
     dtype: str = "auto"
     """Compute dtype of forwards and backwards: float32, bfloat16, or auto (bfloat16 on a GPU that supports it, float32 on CPU).
     Weights and AdamW state stay in master_dtype; see gcfamily/core/precision.py."""
+    logprob_error_bound: float = setting(0.01, real(0, lo_open=True), "> 0 nats")
+    """With 16-bit compute over float32 weights, the run measures its policy's log-probs of a probe text under dtype
+    against float32 at the start; a mean gap past this (nats a token) is said on its first lines (docs/precision.md)."""
     master_dtype: str = "float32"
     """dtype of the trained parameters, their gradients and AdamW's state: float32, or bfloat16 to train in pure bfloat16 on purpose
     (small updates then round away: at lr 1e-6 most weights never move)."""

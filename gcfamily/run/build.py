@@ -201,3 +201,38 @@ def rollout_backend(t: Any) -> Any:
         )
     options = VllmOptions(compute, cfg.seed, cfg.vllm_gpu_memory, cfg.vllm_cpu_kv_gb, cfg.rollout_check_tol)
     return build_backend(cfg.rollout, policy, tokenizer, options, trainer_logps)
+
+
+LOGP_PROBE = "Question: what is 17 + 25? Answer: 17 + 25 = 42. The quick brown fox jumps over the lazy dog."
+"""The text whose log-probs a mixed-precision run compares with float32 at its start (precision_note)."""
+
+
+def precision_note(t: Any) -> None:
+    """With 16-bit compute over float32 weights (one process), the policy's log-probs of LOGP_PROBE under the run's
+    compute dtype against float32; a mean gap past cfg.logprob_error_bound is said on the run's first lines."""
+    from gcfamily.core.batch import Batch
+
+    prec, cfg = t.precision, t.cfg
+    if not (prec.mixed and prec.master == torch.float32) or t.dist is not None or not t.is_main:
+        return
+    policy = t.unwrapped_policy()
+    ids = torch.tensor([t.tokenizer(LOGP_PROBE)["input_ids"]])
+    ones = torch.ones_like(ids)
+    loss = ones.clone()
+    loss[:, 0] = 0
+    batch = Batch(input_ids=ids, attention_mask=ones, loss_mask=loss)
+    was = policy.training
+    policy.eval()
+    try:
+        low = t.services.logprobs(policy, batch, 1.0)[0, 1:]  # the run's own path, under its compute dtype
+        full = engine.batch_logprobs(policy, batch, 1.0, 1, cfg.chunk_size, False, t.device)[0, 1:]
+    finally:
+        policy.train(was)
+    gap = (low - full).abs()
+    if float(gap.mean()) > cfg.logprob_error_bound:
+        print(
+            f"note: under dtype={str(prec.compute).removeprefix('torch.')} this model's log-probs of a probe text differ "
+            f"from float32 by {float(gap.mean()):.3g} nats a token on average (up to {float(gap.max()):.3g}), past "
+            f"logprob_error_bound={cfg.logprob_error_bound:g}; ratios and KL see gaps of this size (docs/precision.md).",
+            file=sys.stderr,
+        )

@@ -118,6 +118,7 @@ class Trainer:
         self.task = self.evaluation.task
         self.services = RunServices(self)
         self.rollout = build.rollout_backend(self)  # every sampling path's engine (cfg.rollout)
+        build.precision_note(self)  # 16-bit compute: the log-prob gap to float32 said when past its bound
         self.method: Method = build.build_method(self.method_cls, cfg, self.services, self.evaluation)
         n = self.method.examples_per_epoch() if cfg.epochs else None
         self.max_steps = planned_steps(cfg, n)
