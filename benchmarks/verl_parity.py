@@ -108,6 +108,8 @@ VERL_BASE: dict[str, Any] = {
     "kl_coef": 0.04,
     "rollout_is": None,
     "rollout_is_threshold": 2.0,
+    "gamma": 1.0,
+    "lam": 1.0,
 }
 GC = "mu=2 std_eps=1e-6 beta=0 loss_norm=token"  # verl's GRPO epsilon 1e-6 on the sample std; token-mean
 KL = "mu=2 std_eps=1e-6 beta=0.04 loss_norm=token"  # with verl's kl_loss_coef / kl_coef 0.04
@@ -170,7 +172,15 @@ MAPPING: dict[str, Union[Check, str]] = {
     "algorithm.adv_estimator=grpo_vectorized": Check("grpo", GC, {"adv_estimator": "grpo_vectorized"}),
     "algorithm.adv_estimator=rloo": Check("rloo", GC, {"adv_estimator": "rloo"}),
     "algorithm.adv_estimator=rloo_vectorized": Check("rloo", GC, {"adv_estimator": "rloo_vectorized"}),
-    "algorithm.adv_estimator=gae": "GAE needs a critic's values: gcfamily's ppo runs GAE on its own value model, not on given values, so no row feeds both the same V",
+    "algorithm.adv_estimator=gae": Check("ppo", "mu=2 beta=0 lam=1.0", {"adv_estimator": "gae"}),
+    "algorithm.adv_estimator=gae, gamma=0.99 lam=0.95": Check(
+        "ppo", "mu=2 beta=0 gamma=0.99 lam=0.95", {"adv_estimator": "gae", "gamma": 0.99, "lam": 0.95}
+    ),
+    "algorithm.adv_estimator=gae, use_kl_in_reward, kl_penalty=kl": Check(
+        "ppo",
+        "mu=2 beta=0.04 lam=1.0 kl_placement=reward kl_estimator=k1 kl_clamp=none",
+        {"adv_estimator": "gae", "use_kl_in_reward": True},
+    ),
     "algorithm.adv_estimator=reinforce_plus_plus": "REINFORCE++ discounts token rewards and whitens over the batch's tokens; gcfamily's reinforce-baseline subtracts a moving-average baseline instead",
     "algorithm.adv_estimator=reinforce_plus_plus_baseline": "the group mean then a whitening over the batch's tokens (re-centred, token-weighted); gcfamily's scale_rewards=batch divides by the rewards' std, not re-centred per token",
     "algorithm.adv_estimator=remax": "ReMax subtracts the reward of a greedy rollout; gcfamily samples no greedy baseline",
@@ -267,6 +277,9 @@ for _opt in ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "se
 CONTROLS: dict[str, Check] = {
     "control: vanilla with verl's default clip_ratio_c=3.0 (dual clip) as grpo": Check(
         "grpo", GC, {"clip_ratio_c": 3.0}, "differ"
+    ),
+    "control: gae with gcfamily ppo's default lam=0.95": Check(
+        "ppo", "mu=2 beta=0", {"adv_estimator": "gae"}, "differ"
     ),
     "control: grpo with std=population (verl's torch.std is the sample std)": Check(
         "grpo", f"{GC} std=population", expect="differ"
@@ -437,6 +450,7 @@ def make_case(seed: int, kind: str = "full") -> dict[str, torch.Tensor]:
     logps = -(0.1 + 2.9 * torch.rand(B, P + T, generator=gen, dtype=torch.float64))  # [B, P+T]
     old = logps + 0.35 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # r = e^(+-0.35): both clip sides
     old[2 * G : 3 * G, P] = logps[2 * G : 3 * G, P] - 1.6  # r = e^1.6 > 3 on a group: dual clip where A < 0
+    values = torch.randn(B, P + T, generator=gen).double()  # [B, P+T] a critic's V (float32-exact, as gcfamily's)
     sample = old + 0.5 * torch.randn(
         B, P + T, generator=gen, dtype=torch.float64
     )  # the sampler's: IS weights past 2, 0.5
@@ -447,7 +461,15 @@ def make_case(seed: int, kind: str = "full") -> dict[str, torch.Tensor]:
         ref[:2, P] = logps[:2, P] - 25.0  # past the clamp at 20
         ref[4:6, P] = logps[4:6, P] - 14.0  # k3 = 13 > 10, inside the clamp at 20
         ref[8:10, P] = logps[8:10, P] + 3.0  # k3 = e^3 - 4 = 16 > 10
-    return {"rewards": rewards, "lengths": lengths, "logps": logps, "old": old, "ref": ref, "sample": sample}
+    return {
+        "rewards": rewards,
+        "lengths": lengths,
+        "logps": logps,
+        "old": old,
+        "ref": ref,
+        "sample": sample,
+        "values": values,
+    }
 
 
 def _cast(case: dict, dtype: torch.dtype) -> dict:
@@ -473,10 +495,12 @@ def run_verl(v: types.SimpleNamespace, check: Check, case: dict) -> dict[str, An
     if s["use_kl_in_reward"]:  # ray_trainer.apply_kl_penalty: token_level_scores - beta * kld
         scores = scores - s["kl_coef"] * ca.kl_penalty(old, ref, kl_penalty=s["kl_penalty"]) * fmask
     index = np.array([f"prompt {b // G}" for b in range(B)], dtype=object)
-    kw = {"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]} if s["adv_estimator"].startswith("grpo") else {}
-    adv, _ = ca.get_adv_estimator_fn(s["adv_estimator"])(
-        token_level_rewards=scores, response_mask=fmask, index=index, config=None, **kw
-    )
+    if s["adv_estimator"] == "gae":  # on the case's values, as the critic would give them
+        kw: dict[str, Any] = {"values": case["values"][:, P:], "gamma": s["gamma"], "lam": s["lam"]}
+    else:
+        kw = {"index": index, "config": None}
+        kw.update({"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]} if "grpo" in s["adv_estimator"] else {})
+    adv, _ = ca.get_adv_estimator_fn(s["adv_estimator"])(token_level_rewards=scores, response_mask=fmask, **kw)
     weights = None
     if s["rollout_is"] is not None:
         weights, _ = v.rc.compute_rollout_correction_weights(
@@ -528,13 +552,16 @@ def _parity() -> types.ModuleType:
     return mod
 
 
-def build_method(spec: str, sets: str) -> Any:
+def build_method(spec: str, sets: str, values: Optional[torch.Tensor] = None) -> Any:
     """gcfamily's registered method of `--method spec --set sets`, typed, defaulted and validated as `gcf run` builds it
-    (trl_parity.build_method would take its own user-extension GSPO for "gspo"; this takes gcfamily's built-in one)."""
+    (trl_parity.build_method would take its own user-extension GSPO for "gspo"; this takes gcfamily's built-in one).
+    With `values` (ppo): a subclass whose one override, critic_values, returns them in place of a critic network's."""
     from gcfamily.config import Config, apply, parse_sets, resolve_settings, validate
     from gcfamily.methods import get_method
 
     cls = get_method(spec)
+    if values is not None:
+        cls = type(cls.__name__, (cls,), {"critic_values": lambda self, batch: values})
     given = {"group_size": G, **parse_sets(tuple(sets.split()))}
     cfg = apply(Config(), {"method": cls.name, **given}, "verl_parity")
     object.__setattr__(cfg, "explicit", sorted(given))
@@ -546,12 +573,13 @@ def build_method(spec: str, sets: str) -> Any:
 
 
 def run_gcfamily(check: Check, case: dict) -> dict[str, Any]:
-    """gcfamily's -objective, the engine's gradient [B, P+T] and the advantages [B]."""
+    """gcfamily's -objective, the engine's gradient [B, P+T] and the advantages ([B, 1] or [B, T])."""
     from gcfamily.methods.base import Batch
 
     tp = _parity()
     B, lengths = N_PROMPTS * G, case["lengths"]
-    method = build_method(check.method, check.sets)
+    values = case["values"].float() * (torch.arange(P + T)[None] >= P) if check.method == "ppo" else None  # [B, P+T]
+    method = build_method(check.method, check.sets, values)
     pos = torch.arange(P + T)[None]
     method.services = tp._Services(case["old"], case["ref"])
     method.ref = "reference" if method.settings.beta > 0 else None
@@ -565,7 +593,8 @@ def run_gcfamily(check: Check, case: dict) -> dict[str, Any]:
     )
     batch, _ = method.prepare(batch)
     out = tp._step(method, batch, case["logps"])
-    out["adv"] = batch.advantages
+    # [B] per row, or [B, T] per token (ppo's GAE)
+    out["adv"] = batch.advantages[:, None] if batch.advantages is not None else batch.token_advantages[:, P:]
     return out
 
 
@@ -575,7 +604,7 @@ def compare(v: types.SimpleNamespace, check: Check, seed: int, dtype: torch.dtyp
     case = _cast(make_case(seed, check.case), dtype)
     a, b = run_verl(v, check, case), run_gcfamily(check, case)
     mask = torch.arange(T)[None] < case["lengths"][:, None]  # [B, T]
-    adv = (a["adv"].double() - b["adv"].double()[:, None]).abs()[mask].max()
+    adv = (a["adv"].double() - b["adv"].double()).abs()[mask].max()
     res: dict[str, Any] = {
         "loss": abs(a["loss"] - b["loss"]),
         "grad": float((a["grad"] - b["grad"]).abs().max()),
