@@ -49,6 +49,7 @@ is a near-miss a user might take for verl's setting; it fails unless it differs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
@@ -143,6 +144,11 @@ PLUS = (
     "straight-through: k3's value with k2's gradient; kl_estimator=k2 gives the same gradient (checked) but "
     "reports k2's value, and gcfamily has no estimator whose value and gradient come from two formulas"
 )
+BYPASS = (
+    "bypass mode takes the sampler's log-probs as pi_old; gcfamily always recomputes pi_old with the trainer and "
+    "corrects the gap with tis"
+)
+PF_PPO = "policy-filtered PPO resamples the batch by weights of its rewards; gcfamily has no resampling of a batch"
 GSPO_SETS = "mu=2 std_eps=1e-6 beta=0 epsilon=0.05 epsilon_high=0.08"
 GSPO_VERL = {"loss_mode": "gspo", "clip_ratio_low": 0.05, "clip_ratio_high": 0.08}
 
@@ -162,7 +168,7 @@ MAPPING: dict[str, Union[Check, str]] = {
     "policy_loss.loss_mode=dppo_tv": "DPPO's binary total-variation trust region (a mask on |pi - pi_old|) is no gcfamily rule",
     "policy_loss.loss_mode=dppo_kl": "DPPO's binary KL trust region (a mask on the per-token KL to pi_old) is no gcfamily rule",
     "policy_loss.loss_mode=dro": "DRO's -A log pi + beta/2 (log pi/pi_old)^2 with no ratio is no gcfamily method",
-    "policy_loss.loss_mode=bypass_mode": "bypass mode takes the sampler's log-probs as pi_old; gcfamily always recomputes pi_old with the trainer and corrects the gap with tis",
+    "policy_loss.loss_mode=bypass_mode": BYPASS,
     "actor.clip_ratio_c (dual clip, default 3.0)": "dual-clip PPO (a lower bound -c A on tokens with A < 0) is no gcfamily setting (dual clip is being added); the control row shows the difference",
     # -- advantage estimators: AdvantageEstimator
     "algorithm.adv_estimator=grpo": Check("grpo", GC),
@@ -264,7 +270,14 @@ MAPPING: dict[str, Union[Check, str]] = {
         {**GSPO_VERL, "rollout_is": "sequence", "rollout_is_threshold": 2.0},
     ),
     "rollout_correction.rollout_is_batch_normalize=True": "dividing the IS weights by their batch mean is no gcfamily setting (tis weights are truncated or masked only)",
-    "rollout_correction.bypass_mode=True": "bypass takes the sampler's log-probs as pi_old; gcfamily always recomputes pi_old with the trainer",
+    "rollout_correction.bypass_mode=True, loss_type=ppo_clip": BYPASS,
+    "rollout_correction.bypass_mode=True, loss_type=reinforce": BYPASS,
+    # -- the rest of the actor's and the algorithm's loss settings
+    "actor.entropy_coeff > 0": "an entropy bonus needs each position's entropy over the whole vocabulary; gcfamily's coefficient multiplies the sampled tokens' log-probs only",
+    "algorithm.use_pf_ppo, reweight_method=pow": PF_PPO,
+    "algorithm.use_pf_ppo, reweight_method=max_min": PF_PPO,
+    "algorithm.use_pf_ppo, reweight_method=max_random": PF_PPO,
+    "algorithm.filter_groups (DAPO dynamic sampling)": "over-sampling and dropping equal-reward groups until the batch is full is no gcfamily setting (zero_std=exclude drops them without refilling)",
 }
 for _opt in ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"):  # fmt: skip
@@ -383,10 +396,16 @@ def load_verl() -> Optional[types.SimpleNamespace]:
     import verl
     import verl.trainer.ppo.core_algos as ca
     import verl.trainer.ppo.rollout_corr_helper as rc
+    from verl.trainer.config import AlgoConfig
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     return types.SimpleNamespace(
-        version=verl.__version__, ca=ca, rc=rc, ActorConfig=ActorConfig, PolicyLossConfig=PolicyLossConfig
+        version=verl.__version__,
+        ca=ca,
+        rc=rc,
+        ActorConfig=ActorConfig,
+        AlgoConfig=AlgoConfig,
+        PolicyLossConfig=PolicyLossConfig,
     )
 
 
@@ -428,7 +447,19 @@ def enumerate_verl(v: types.SimpleNamespace) -> list[str]:
         opts += [
             f"rollout_correction.rollout_is={level}, threshold=0.5_2.0" + (" (IcePop)" if level == "token" else "")
         ]
-    opts += ["rollout_correction.rollout_is_batch_normalize=True", "rollout_correction.bypass_mode=True"]
+    opts += ["rollout_correction.rollout_is_batch_normalize=True"]
+    bypass = inspect.getsource(ca.compute_policy_loss_bypass_mode)
+    opts += [
+        f"rollout_correction.bypass_mode=True, loss_type={n}" for n in _strings(bypass, r"loss_type == (\"[^\"]*\")")
+    ]
+    actor, algo = (
+        {f.name for f in dataclasses.fields(v.ActorConfig)},
+        {f.name for f in dataclasses.fields(v.AlgoConfig)},
+    )
+    opts += ["actor.entropy_coeff > 0"] if "entropy_coeff" in actor else []
+    pf = inspect.getsource(ca.compute_pf_ppo_reweight_data)
+    opts += [f"algorithm.use_pf_ppo, reweight_method={n}" for n in _strings(pf, r"reweight_method == (\"[^\"]*\")")]
+    opts += ["algorithm.filter_groups (DAPO dynamic sampling)"] if "filter_groups" in algo else []
     opts += [f"rollout_correction.rollout_rs={n}" for n in sorted(rc.SUPPORTED_ROLLOUT_RS_OPTIONS)]
     return opts
 
