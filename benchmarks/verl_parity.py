@@ -11,12 +11,14 @@ The check runs in a venv of its own, never gcfamily's (verl is not a dependency;
     /tmp/verl-venv/bin/pip install torch==2.13.0               # the CPU build; an unpinned torch pulls CUDA
     /tmp/verl-venv/bin/pip install --no-deps verl==0.9.1
     /tmp/verl-venv/bin/pip install packaging numpy omegaconf codetiming "tensordict==0.10.0"
-    /tmp/verl-venv/bin/pip install einops pyyaml                # gcfamily's own imports on this path
+    /tmp/verl-venv/bin/pip install einops pyyaml "transformers==5.25.0"   # gcfamily's own imports on this path
     PYTHONPATH=. /tmp/verl-venv/bin/python benchmarks/verl_parity.py
 
-verl's `verl/protocol.py` imports `ray` and `verl/utils/torch_functional.py` imports `transformers` at module level;
-neither is installed: `_stub_modules` puts empty stand-in modules for them on the import path before verl loads (no
-function this check calls touches them). Without verl the script prints the mapping and exits 0.
+None of these changes torch (pip list shows 2.13.0+cpu after each). verl 0.9.1 asks for transformers < 5.11; its loss
+code imports only a type name from it, and gcfamily's modules want the 5.25 they are tested with. `verl/protocol.py`
+imports `ray` at module level, which is not installed: `_stub_modules` puts an empty stand-in module on the import
+path for it (and for transformers, where that is absent) before verl loads; no function this check calls touches
+them, and the header line names what was stubbed. Without verl the script prints the mapping and exits 0.
 
 Every row is one verl option (enumerated from verl's code, so the table cannot miss one: POLICY_LOSS_REGISTRY, the
 AdvantageEstimator enum, agg_loss's loss_agg_mode branches, kl_penalty_forward's estimator names and their "+"
@@ -382,17 +384,19 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _stub_modules(roots: set[str]) -> None:
+def _stub_modules(roots: set[str]) -> set[str]:
+    """Stand-ins for those of `roots` that are not installed; returns their names."""
     missing = {r for r in roots if importlib.util.find_spec(r) is None}
     if missing:
         sys.meta_path.insert(0, _StubFinder(missing))
+    return missing
 
 
 def load_verl() -> Optional[types.SimpleNamespace]:
     """verl's core_algos, its rollout-correction helper and ActorConfig; None where verl is not installed."""
     if importlib.util.find_spec("verl") is None:
         return None
-    _stub_modules({"ray", "transformers"})
+    stubbed = _stub_modules({"ray", "transformers"})
     import verl
     import verl.trainer.ppo.core_algos as ca
     import verl.trainer.ppo.rollout_corr_helper as rc
@@ -401,6 +405,7 @@ def load_verl() -> Optional[types.SimpleNamespace]:
 
     return types.SimpleNamespace(
         version=verl.__version__,
+        stubbed=sorted(stubbed),
         ca=ca,
         rc=rc,
         ActorConfig=ActorConfig,
@@ -691,7 +696,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)
     found = enumerate_verl(v)
     unmapped = [o for o in found if o not in MAPPING]
-    print(f"verl {v.version}, torch {torch.__version__}; {len(found)} options enumerated from verl's code, "
+    print(f"verl {v.version} (stand-ins for {', '.join(v.stubbed) or 'nothing'}), torch {torch.__version__}; {len(found)} options enumerated from verl's code, "
           f"{len(unmapped)} without a mapping; {a.seeds} case(s) per row and dtype; tolerance "
           f"{TOL[torch.float64]:g} in float64 (advantages {ADV_TOL[torch.float64]:g}), {TOL[torch.float32]:g} in float32")  # fmt: skip
     rows: list[tuple[str, Union[Check, str]]] = [(o, MAPPING.get(o, "UNMAPPED: add it to MAPPING")) for o in found]
