@@ -25,7 +25,13 @@ AdvantageEstimator enum, agg_loss's loss_agg_mode branches, kl_penalty_forward's
 straight-through forms, in the loss (actor.use_kl_loss) and in the reward (algorithm.use_kl_in_reward), the KL
 controllers, the rollout-correction levels, thresholds and rejection options). MAPPING says, per option, either a
 `Check` (gcfamily's --method and --set, and verl's settings) or the one-sentence reason gcfamily cannot express it.
-A new gcfamily method makes a row checkable by replacing its reason with a Check.
+A new gcfamily method makes a row checkable by replacing its reason with a Check, e.g.
+
+    "policy_loss.loss_mode=sapo": Check("sapo", "mu=2 std_eps=1e-6 beta=0 loss_norm=sequence ...",
+                                        {"loss_mode": "sapo", "tau_pos": 1.0, "tau_neg": 1.05}),
+
+where the dict holds verl's settings beyond VERL_BASE: any field of verl's ActorConfig or PolicyLossConfig, or a key of
+VERL_BASE (the advantage estimator, the KL in the reward, the rollout correction).
 
 A Check runs, on random float64 (then float32) inputs, 4 prompts x 4 samples, right-padded completions of
 different lengths, an all-equal reward group and a binary one, pi_old != pi (mu = 2), pi_ref with tokens past
@@ -545,16 +551,19 @@ def run_verl(v: types.SimpleNamespace, check: Check, case: dict) -> dict[str, An
             rollout_is=s["rollout_is"],
             rollout_is_threshold=s["rollout_is_threshold"],
         )
+    # every setting that is a field of ActorConfig or of its PolicyLossConfig goes there (a Check may name any, e.g.
+    # SAPO's tau_pos, DRO's dro_beta); the rest are the algorithm's, read above
+    actor = {f.name for f in dataclasses.fields(v.ActorConfig)} - {"policy_loss"}
+    policy = {f.name for f in dataclasses.fields(v.PolicyLossConfig)}
+    unknown = set(check.verl) - set(VERL_BASE) - actor - policy
+    if unknown:
+        raise ValueError(f"{sorted(unknown)} are not settings of verl's ActorConfig, PolicyLossConfig or VERL_BASE")
     cfg = v.ActorConfig(
         strategy="fsdp",
         ppo_micro_batch_size_per_gpu=1,
         rollout_n=G,
-        **{k: s[k] for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")},
-        loss_scale_factor=s["loss_scale_factor"],
-        use_kl_loss=s["use_kl_loss"],
-        kl_loss_coef=s["kl_loss_coef"],
-        kl_loss_type=s["kl_loss_type"],
-        policy_loss=v.PolicyLossConfig(loss_mode=s["loss_mode"]),
+        policy_loss=v.PolicyLossConfig(**{k: s[k] for k in s if k in policy}),
+        **{k: s[k] for k in s if k in actor},
     )
     # as workers/utils/losses.py::ppo_loss sets it for one process and one micro-batch
     cfg.global_batch_info.update(
