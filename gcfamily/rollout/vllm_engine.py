@@ -19,12 +19,14 @@ with top-p or top-k the sampled tokens' log-probs are those of the truncated dis
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Optional
@@ -63,7 +65,14 @@ def import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: the engine lives in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # a run's stderr is for its own lines
     try:
-        import vllm
+        # its import prints a Triton notice and torch deprecation warnings that are not the run's to show
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            import vllm
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] == "vllm":
             raise GcfError(f"rollout=vllm needs vLLM, which is not installed: {INSTALL}.") from None
@@ -183,7 +192,15 @@ class VllmBackend:
         folder = tempfile.mkdtemp(prefix="gcf-vllm-")
         threads = torch.get_num_threads()
         try:
-            with engine_errors("start on this model"):
+            quiet = (
+                warnings.catch_warnings(),
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            )
+            with engine_errors("start on this model"), quiet[0], quiet[1], quiet[2]:
+                warnings.simplefilter(
+                    "ignore"
+                )  # the engine's lazy imports warn and print notices not the run's to show
                 base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
                 write_checkpoint(base.config, policy_weights(self.model, self.options.dtype), Path(folder))
                 self.tokenizer.save_pretrained(folder)
