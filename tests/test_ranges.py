@@ -60,6 +60,10 @@ RANGES = {
     "lora_alpha": ("float", 0, INF, True, True),
     "lora_dropout": ("float", 0, 1, False, True),
     "dist_timeout": ("float", 0, INF, True, True),
+    "vllm_gpu_memory": ("float", 0, 1, True, False),
+    "vllm_cpu_kv_gb": ("float", 0, INF, True, True),
+    "rollout_check_tol": ("float", 0, INF, True, True),  # or None: by dtype
+    "logprob_error_bound": ("float", 0, INF, True, True),
 }
 
 
