@@ -52,7 +52,8 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "micro-batches",
         "tokens with the sampler ratio above tis_max (truncated)",
         "sequences with the sampler ratio below tis_min (masked)",
-        "11 cases: 11 passed, 0 failed",
+        "tokens past dual-clip's bound (A < 0, r > c)",
+        "12 cases: 12 passed, 0 failed",
     ):
         assert line in out, line
     assert "FAILED" not in out

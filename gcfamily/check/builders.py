@@ -103,6 +103,9 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
         -1: [down, band_down, math.log1p(-0.5 * a), up],
         0: [math.log1p(0.5 * a), up, band_up, math.log1p(-0.5 * a), down, band_down],
     }
+    if getattr(s, "dual_clip", None):  # past dual-clip's c, where A < 0 (a row of either sign for per-token A)
+        cycles[-1].insert(1, math.log(1.25 * s.dual_clip))
+        cycles[0].insert(2, math.log(1.25 * s.dual_clip))
     cycles = {k: [x for x in c if x is not None] for k, c in cycles.items()}
     count = Counter()
     for i, sign in enumerate(signs):

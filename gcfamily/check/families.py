@@ -136,6 +136,7 @@ def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
         ("two simulated ranks, batch std", {RANKS: 2, **(batch if _accepts(cls, batch) else {})}),
         ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
         ("sampler correction sequence_mask", TIS["sequence_mask"]),
+        ("dual-clip 3, clip and KL", {"mu": 2, "beta": beta, "dual_clip": 3.0}),
     ]
 
 
@@ -207,6 +208,7 @@ FAMILIES: dict[str, Family] = {
             ("GAE unwhitened", {"whiten": False, "mu": 2}),
             ("sampler correction token_mask, clip and KL", {**TIS["token_mask"], "mu": 2}),
             ("sampler correction sequence_truncate", TIS["sequence_truncate"]),
+            ("dual-clip 3, clip and KL", {"mu": 2, "dual_clip": 3.0}),
         ],
         SURROGATE + "; A = GAE on the critic's values, whitened unless whiten=false",
         {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS},

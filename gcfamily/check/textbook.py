@@ -97,6 +97,9 @@ def _clip_terms(
     else:
         r = torch.exp(log_r)
     per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+    dc = getattr(s, "dual_clip", None)
+    if dc is not None:  # dual-clip (Ye et al. 2020, eq. 4): for A < 0 the term is max(min(r A, clip(r) A), c A)
+        per = torch.where(A < 0, torch.maximum(per, dc * A), per)
     per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)
     rd, Ad = r.detach(), A.expand_as(r)
     level = "sequences" if tb["ratio"] == "sequence" else "tokens"
@@ -106,6 +109,7 @@ def _clip_terms(
     low, high = (Ad < 0) & (rd < 1 - lo), (Ad > 0) & (rd > 1 + hi)
     br[f"{level} clipped low"] += int((low & cells).sum())
     br[f"{level} clipped high"] += int((high & cells).sum())
+    br[f"{level} past dual-clip's bound (A < 0, r > c)"] += int(((Ad < 0) & (rd > dc) & cells).sum()) if dc else 0
     br[f"{level} unclipped, r != 1"] += int((~low & ~high & (Ad != 0) & ((rd - 1).abs() > 1e-6) & cells).sum())
     a, b = min(lo, hi), max(lo, hi)
     band = ((Ad > 0) & (rd > 1 + a) & (rd <= 1 + b)) | ((Ad < 0) & (rd < 1 - a) & (rd >= 1 - b))
@@ -127,6 +131,7 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()
         )
+        req |= {"past dual-clip's bound (A < 0, r > c)"} if getattr(s, "dual_clip", None) else set()
     if s.beta > 0 and s.kl_placement == "loss":
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:

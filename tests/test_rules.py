@@ -1,0 +1,119 @@
+"""verl's and OpenRLHF's policy-loss rules as rules of the zoo (issue 47): dual-clip, CISPO, GPG.
+
+Each rule: a coefficient worked by hand, `gcf check` on the case that reaches its branches, a bug planted where the
+rule lives that the check must fail, and two steps of `gcf run` on the tiny model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import metrics_rows
+
+from gcfamily import check
+from gcfamily.config import Config
+from gcfamily.core.batch import Batch
+from gcfamily.errors import GcfError
+from gcfamily.methods import get_method
+from gcfamily.methods.clipped import ClippedOnPolicy
+from gcfamily.run.trainer import Trainer
+
+FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
+
+
+def make(name: str, **settings):
+    cls = get_method(name)
+    cfg = Config(method=name, **settings)
+    cls.validate(cfg)
+    return cls(cfg)
+
+
+def one_row(ratios: list[float], adv: float) -> tuple[Batch, torch.Tensor]:
+    """One row whose tokens have these ratios pi/pi_old, advantage `adv`, no reference."""
+    L = len(ratios)
+    logps = torch.full((1, L), -1.0)
+    old = logps - torch.log(torch.tensor([ratios]))
+    batch = Batch(
+        input_ids=torch.zeros(1, L, dtype=torch.long),
+        attention_mask=torch.ones(1, L, dtype=torch.long),
+        loss_mask=torch.ones(1, L, dtype=torch.long),
+        advantages=torch.tensor([adv]),
+        old_logps=old,
+    )
+    return batch, logps
+
+
+def run_case(name: str, label: str) -> check.Outcome:
+    cls = get_method(name)
+    found = dict(check.cases(cls))
+    assert label in found, f"{name} has no case {label!r}: {list(found)}"
+    return check.run_case(cls, label, found[label])
+
+
+def caught(name: str, label: str, monkeypatch: pytest.MonkeyPatch, plant: tuple[object, str, object]) -> str:
+    """The case passes on the real code and fails with the plant in place: the report of the failure."""
+    out = run_case(name, label)
+    assert out.ok, check.report(name, get_method(name), [out])[0]
+    monkeypatch.setattr(*plant)
+    out = run_case(name, label)
+    text, ok = check.report(name, get_method(name), [out])
+    assert not ok and not out.ok, text
+    return text
+
+
+def two_steps(tmp_path, name: str, **extra) -> list[dict]:
+    out = tmp_path / "run"
+    cfg = Config(method=name, model="tiny", task="arithmetic", output_dir=str(out), max_steps=2, **{**FAST, **extra})
+    Trainer(cfg).run()
+    return metrics_rows(out)
+
+
+# ============================================================================= dual-clip
+
+
+def test_dual_clip_by_hand():
+    m = make("grpo", group_size=4, beta=0.0, mu=2, dual_clip=3.0)
+    # A = -1, eps 0.2, c 3: r 0.5 is clipped low (0); r 1 and 2 keep r A; r 4 > c: the bound -3 binds (0)
+    batch, logps = one_row([0.5, 1.0, 2.0, 4.0], -1.0)
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([0.0, -1.0, -2.0, 0.0])
+    # per token max(min(r A, clip(r) A), c A) = -0.8, -1, -2, -3; sequence mean over 4 tokens, 1 row
+    assert float(m.objective(batch, logps, 1.0)) == pytest.approx(-(0.8 + 1 + 2 + 3) / 4)
+    assert m.metrics(batch, logps, m.coefficient(batch, logps))["grpo/dual_clip_frac"] == 0.25
+    # A = +1: the bound is for negative advantages only; r 4 is clipped high by the usual clip, r 2 as well
+    batch, logps = one_row([0.5, 1.0, 2.0, 4.0], 1.0)
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([0.5, 1.0, 0.0, 0.0])
+    off = make("grpo", group_size=4, beta=0.0, mu=2)
+    batch, logps = one_row([4.0], -1.0)
+    assert off.coefficient(batch, logps)[0].tolist() == pytest.approx([-4.0])
+
+
+def test_dual_clip_must_exceed_one():
+    with pytest.raises(GcfError, match="dual_clip must be > 1"):
+        make("ppo", dual_clip=1.0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "gspo"])
+def test_gcf_check_passes_dual_clip_and_reaches_its_bound(name: str):
+    out = run_case(name, "dual-clip 3, clip and KL")
+    assert out.ok, check.report(name, get_method(name), [out])[0]
+    assert any("past dual-clip's bound" in k and n > 0 for k, n in out.branches.items())
+
+
+def _bound_on_positive(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    lo, hi = self.clip_range()
+    out = ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
+    return out | ((adv > 0) & (ratio > self.settings.dual_clip))  # the planted bug: A > 0 instead of A < 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_dual_clip_on_positive_advantages_is_caught(name: str, monkeypatch: pytest.MonkeyPatch):
+    text = caught(name, "dual-clip 3, clip and KL", monkeypatch, (ClippedOnPolicy, "clipped", _bound_on_positive))
+    assert "FAILED (a) engine vs textbook" in text
+
+
+def test_grpo_with_dual_clip_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "grpo", num_minibatches=2, dual_clip=1.5)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("grpo/dual_clip_frac" in r and math.isfinite(r["loss"]) for r in rows)
