@@ -29,6 +29,8 @@ def _gspo_copy(tmp_path: Path, objective_clipped: bool = True) -> str:
     if not objective_clipped:
         assert "s.clamp(1 - lo, 1 + hi) * adv" in text
         text = text.replace("s.clamp(1 - lo, 1 + hi) * adv", "s * adv")
+        assert "if self.settings.dual_clip is not None:" in text  # and without dual-clip's bound, as the coefficient
+        text = text.replace("if self.settings.dual_clip is not None:", "if False:")
     path = tmp_path / "gspo_no_clip.py"
     path.write_text(text)
     return f"{path}:GSPO"

@@ -117,3 +117,75 @@ def test_grpo_with_dual_clip_two_steps(tmp_path):
     rows = two_steps(tmp_path, "grpo", num_minibatches=2, dual_clip=1.5)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("grpo/dual_clip_frac" in r and math.isfinite(r["loss"]) for r in rows)
+
+
+# ============================================================================= CISPO
+
+
+def test_cispo_by_hand():
+    m = make("cispo", group_size=4, mu=2)  # defaults: no lower bound (epsilon 1), weight at most 1 + 4 = 5
+    batch, logps = one_row([0.1, 1.0, 2.0, 6.0], -1.0)
+    # GC = clip(r) A: every token keeps a gradient, r 6 is capped at 5 (PPO's min would zero r 0.1, verl's keeps 0.8)
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-0.1, -1.0, -2.0, -5.0])
+    # J = token mean of sg(w) A log pi = w (-1)(-1) = w: (0.1 + 1 + 2 + 5) / 4
+    assert float(m.objective(batch, logps, 4.0)) == pytest.approx(8.1 / 4)
+    assert m.metrics(batch, logps, m.coefficient(batch, logps))["cispo/weight_capped_frac"] == 0.25
+    verl = make("cispo", group_size=4, mu=2, epsilon=0.2, epsilon_high=0.2)  # verl's clip to [0.8, 1.2]
+    assert verl.coefficient(batch, logps)[0].tolist() == pytest.approx([-0.8, -1.0, -1.2, -1.2])
+    with pytest.raises(GcfError, match="cispo refuses dual_clip"):
+        make("cispo", group_size=4, dual_clip=3.0)
+    with pytest.raises(GcfError, match="epsilon must be > 0"):
+        make("cispo", group_size=4, epsilon=0.0)
+
+
+CISPO_CASES = ["clip and KL", "clip both sides (eps 0.2, verl's), KL", "sampler correction token_truncate, clip and KL"]
+
+
+@pytest.mark.parametrize("label", CISPO_CASES)
+def test_gcf_check_passes_cispo_and_reaches_its_branches(label: str):
+    out = run_case("cispo", label)
+    assert out.ok, check.report("cispo", get_method("cispo"), [out])[0]
+    for branch in ("IS weight capped at 1 + eps_high, A < 0", "IS weight capped at 1 + eps_high, A > 0"):
+        assert out.branches[f"tokens with the {branch}"] > 0
+    assert (out.branches["tokens with the IS weight raised to 1 - eps"] > 0) == ("both sides" in label)
+
+
+def _undetached_objective(self, batch, logps, Z):
+    old = self._old(batch, logps)
+    lo, hi = self.clip_range()
+    w = torch.exp(logps - old).clamp(1 - lo, 1 + hi)  # the planted bug: the weight keeps its gradient
+    per_token = w * self.token_advantages(batch) * logps * self.sampler_correction(batch, old)
+    kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))
+    return self.aggregate(per_token * batch.loss_mask, batch, Z) + ClippedOnPolicy.objective(self, kl_only, logps, Z)
+
+
+def _undetached_factor(self, batch, logps):
+    """The coefficient of the undetached objective, d/dlogp of clip(r) log pi: clip(r) + 1[inside] r log pi."""
+    ratio, _ = ClippedOnPolicy.importance_ratio(self, batch, logps)
+    lo, hi = self.clip_range()
+    inside = (ratio >= 1 - lo) & (ratio <= 1 + hi)
+    return ratio, ratio.clamp(1 - lo, 1 + hi) + torch.where(inside, ratio * logps, 0.0)
+
+
+def test_cispo_weight_given_a_gradient_in_its_objective_is_caught(monkeypatch: pytest.MonkeyPatch):
+    cispo = get_method("cispo")
+    text = caught("cispo", "clip and KL", monkeypatch, (cispo, "objective", _undetached_objective))
+    assert "FAILED (a) engine vs own objective" in text
+
+
+def test_cispo_weight_given_a_gradient_everywhere_is_caught_by_the_textbook(monkeypatch: pytest.MonkeyPatch):
+    cispo = get_method("cispo")
+    assert run_case("cispo", "clip and KL").ok
+    monkeypatch.setattr(cispo, "importance_ratio", _undetached_factor)  # coefficient and objective agree ...
+    monkeypatch.setattr(cispo, "objective", _undetached_objective)
+    out = run_case("cispo", "clip and KL")
+    text, ok = check.report("cispo", cispo, [out])
+    assert not ok and not out.ok
+    assert "FAILED (a) engine vs textbook" in text and "(a) engine vs own objective" in text
+    assert "FAILED (a) engine vs own objective" not in text  # ... so only the textbook tells
+
+
+def test_cispo_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "cispo", num_minibatches=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("cispo/weight_capped_frac" in r and math.isfinite(r["loss"]) for r in rows)

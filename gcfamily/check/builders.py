@@ -95,7 +95,7 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
     past 1 + eps_high where A > 0, below 1 - eps where A < 0, inside, and in the band between eps and eps_high."""
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     a = min(lo, hi)
-    up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo))
+    up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo)) if lo < 1 else None  # lo >= 1: no lower clip
     band_up = math.log1p(0.5 * (lo + hi)) if lo != hi else None
     band_down = math.log1p(-0.5 * (lo + hi)) if lo != hi and lo + hi < 2 else None
     cycles = {

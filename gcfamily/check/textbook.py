@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gcfamily.check.surrogates import cispo_terms
 from gcfamily.check.world import G, L, N, StubCritic, StubServices, World
 from gcfamily.methods.base import Batch, Method
 
@@ -96,11 +97,29 @@ def _clip_terms(
         r = torch.exp((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(lp)
     else:
         r = torch.exp(log_r)
-    per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
-    dc = getattr(s, "dual_clip", None)
-    if dc is not None:  # dual-clip (Ye et al. 2020, eq. 4): for A < 0 the term is max(min(r A, clip(r) A), c A)
-        per = torch.where(A < 0, torch.maximum(per, dc * A), per)
+    if tb.get("surrogate") == "cispo":
+        per = cispo_terms(r, A, lp, lo, hi, on, br)
+    else:
+        per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+        dc = getattr(s, "dual_clip", None)
+        if dc is not None:  # dual-clip (Ye et al. 2020, eq. 4): for A < 0 the term is max(min(r A, clip(r) A), c A)
+            per = torch.where(A < 0, torch.maximum(per, dc * A), per)
+        _count_clip(tb, r, A, on, lo, hi, dc, br)
     per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)
+    if ref is not None and s.beta > 0 and s.kl_placement == "loss":
+        c = math.inf if s.kl_clamp is None else s.kl_clamp
+        d = ref - lp
+        name = "k3" if s.kl_estimator == "auto" else s.kl_estimator
+        per = per - s.beta * _kl(name, torch.clamp(d, -c, c), log_r)
+        br["KL past the clamp"] += int(((d.detach().abs() > c) & on).sum())
+        br["KL within the clamp" if c < math.inf else "KL, no clamp"] += int(((d.detach().abs() <= c) & on).sum())
+    return per
+
+
+def _count_clip(
+    tb: dict, r: torch.Tensor, A: torch.Tensor, on: torch.Tensor, lo: float, hi: float, dc: Any, br: Counter
+) -> None:
+    """Which side of the clip (and of dual-clip's c) each token, or row for a sequence ratio, is on."""
     rd, Ad = r.detach(), A.expand_as(r)
     level = "sequences" if tb["ratio"] == "sequence" else "tokens"
     cells = on.any(-1) if level == "sequences" else on
@@ -114,20 +133,15 @@ def _clip_terms(
     a, b = min(lo, hi), max(lo, hi)
     band = ((Ad > 0) & (rd > 1 + a) & (rd <= 1 + b)) | ((Ad < 0) & (rd < 1 - a) & (rd >= 1 - b))
     br[f"{level} in the band between eps and eps_high"] += int((band & cells).sum()) if lo != hi else 0
-    if ref is not None and s.beta > 0 and s.kl_placement == "loss":
-        c = math.inf if s.kl_clamp is None else s.kl_clamp
-        d = ref - lp
-        name = "k3" if s.kl_estimator == "auto" else s.kl_estimator
-        per = per - s.beta * _kl(name, torch.clamp(d, -c, c), log_r)
-        br["KL past the clamp"] += int(((d.detach().abs() > c) & on).sum())
-        br["KL within the clamp" if c < math.inf else "KL, no clamp"] += int(((d.detach().abs() <= c) & on).sum())
-    return per
 
 
-def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
+def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = None) -> set[str]:
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     req = set()
-    if several:
+    if several and (tb or {}).get("surrogate") == "cispo":
+        req |= {f"IS weight capped at 1 + eps_high, A {x} 0" for x in "<>"} | {"IS weight r inside the clip, != 1"}
+        req |= {"IS weight raised to 1 - eps"} if lo < 1 else set()
+    elif several:
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()
         )
@@ -215,7 +229,7 @@ def _groups_textbook(
     br["rows with A > 0"], br["rows with A < 0"] = int(((A > 0) & rows).sum()), int(((A < 0) & rows).sum())
     per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
-    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward)
+    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward, tb)
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)

@@ -85,6 +85,8 @@ class ClippedOnPolicy(OnPolicy):
     """Whether the importance ratio is per token or per sequence (its clip fractions are counted at that level)."""
     metric_prefix: ClassVar[str] = "clipped"
     """Metrics are logged as PREFIX/clip_frac, PREFIX/kl, ..."""
+    epsilon_below_one: ClassVar[bool] = True
+    """Whether epsilon must be < 1; a rule whose lower clip 1 - epsilon <= 0 means no lower bound (CISPO) allows more."""
 
     @dataclass
     class Settings(OnPolicy.Settings):
@@ -116,7 +118,10 @@ class ClippedOnPolicy(OnPolicy):
         s = resolve_settings(cfg, cls).settings
         checks = [
             (s.beta >= 0, "beta must be >= 0"),
-            (0 < s.epsilon < 1, "epsilon must be in (0, 1)"),
+            (
+                0 < s.epsilon and (s.epsilon < 1 or not cls.epsilon_below_one),
+                "epsilon must be in (0, 1)" if cls.epsilon_below_one else "epsilon must be > 0",
+            ),
             (s.epsilon_high is None or s.epsilon_high > 0, "epsilon_high must be > 0"),
             (s.mu >= 1, "mu (inner epochs) must be >= 1"),
             (s.num_minibatches >= 1, "num_minibatches must be >= 1"),

@@ -49,6 +49,7 @@ METHODS: dict[str, str] = {
     "dapo": "gcfamily.methods.grpo_variants:DAPO",
     "ppo": "gcfamily.methods.ppo:PPO",
     "gspo": "gcfamily.methods.gspo:GSPO",
+    "cispo": "gcfamily.methods.cispo:CISPO",
     "reinforce-baseline": "gcfamily.methods.reinforce:ReinforceBaseline",
     "online-dpo": "gcfamily.methods.online_dpo:OnlineDPO",
     "kto": "gcfamily.methods.kto:KTO",

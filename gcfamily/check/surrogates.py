@@ -1,0 +1,23 @@
+"""Surrogates of gcf check's textbook (gcfamily/check/textbook.py) other than PPO's clipped one, each restated from its
+paper, sharing no code with the methods: the per-token term J_t whose aggregate is the objective, and the branches it
+reached."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+def cispo_terms(
+    r: torch.Tensor, A: torch.Tensor, lp: torch.Tensor, lo: float, hi: float, on: torch.Tensor, br: Counter
+) -> torch.Tensor:
+    """CISPO (MiniMax-M1, eq. 4): sg(clip(r, 1 - eps, 1 + eps_high)) A log pi per token; the weight is a constant, so
+    no token loses its gradient. Counts capped weights of both signs of A, raised ones and those inside."""
+    rd, Ad = r.detach(), A.expand_as(r)
+    for sign, name in ((Ad > 0, "A > 0"), (Ad < 0, "A < 0")):
+        br[f"tokens with the IS weight capped at 1 + eps_high, {name}"] += int((sign & (rd > 1 + hi) & on).sum())
+    br["tokens with the IS weight raised to 1 - eps"] += int(((Ad != 0) & (rd < 1 - lo) & on).sum())
+    inside = (rd >= 1 - lo) & (rd <= 1 + hi) & ((rd - 1).abs() > 1e-6)
+    br["tokens with the IS weight r inside the clip, != 1"] += int(((Ad != 0) & inside & on).sum())
+    return torch.clamp(r, 1 - lo, 1 + hi).detach() * A * lp
