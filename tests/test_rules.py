@@ -18,6 +18,7 @@ from gcfamily.core.batch import Batch
 from gcfamily.errors import GcfError
 from gcfamily.methods import get_method
 from gcfamily.methods.clipped import ClippedOnPolicy
+from gcfamily.methods.grpo import GRPO
 from gcfamily.run.trainer import Trainer
 
 FAST = {"batch_size": 2, "group_size": 4, "max_new_tokens": 8, "micro_batch_size": 8, "progress": False}
@@ -189,3 +190,68 @@ def test_cispo_two_steps(tmp_path):
     rows = two_steps(tmp_path, "cispo", num_minibatches=2)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("cispo/weight_capped_frac" in r and math.isfinite(r["loss"]) for r in rows)
+
+
+# ============================================================================= GPG
+
+
+class _Sum:
+    """A stand-in for the run's services: all_sum adds another process's tensor (none: one process)."""
+
+    def __init__(self, other=None):
+        self.other = other
+
+    def all_sum(self, t):
+        return t if self.other is None else t + self.other.to(t.dtype)
+
+
+def test_gpg_by_hand():
+    m = make("gpg", group_size=4)
+    m.services = _Sum()
+    R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [1.0, 0.0, 0.0, 0.0]])
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[2, 3] = False  # a failed reward: no gradient
+    # 12 samples, 4 in the equal group and 1 failed carry no gradient: alpha = 12 / 7; no std division
+    adv = m.group_advantages(R, valid)
+    assert adv[0].tolist() == pytest.approx([0.5 * 12 / 7, -0.5 * 12 / 7, -0.5 * 12 / 7, 0.5 * 12 / 7])
+    assert adv[2, :3].tolist() == pytest.approx([(1 - 1 / 3) * 12 / 7, -(1 / 3) * 12 / 7, -(1 / 3) * 12 / 7])
+    # another process holds 4 samples, all with a gradient: alpha = 16 / 11
+    m.services = _Sum(torch.tensor([4.0, 4.0]))
+    assert m.group_advantages(R, valid)[0, 0] == pytest.approx(0.5 * 16 / 11)
+    # GC = A on every token, whatever the ratio (none enters the rule)
+    batch, logps = one_row([0.1, 1.0, 9.0], -0.5)
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-0.5, -0.5, -0.5])
+    assert float(m.objective(batch, logps, 3.0)) == pytest.approx(0.5)  # token mean of (-0.5)(-1)
+    for bad, why in (({"dual_clip": 2.0}, "gpg refuses dual_clip"), ({"zero_std": "exclude"}, "correct twice")):
+        with pytest.raises(GcfError, match=why):
+            make("gpg", group_size=4, **bad)
+
+
+@pytest.mark.parametrize("label", ["defaults", "clip and KL", "two simulated ranks, batch std"])
+def test_gcf_check_passes_gpg(label: str):
+    out = run_case("gpg", label)
+    assert out.ok, check.report("gpg", get_method("gpg"), [out])[0]
+    assert out.branches["equal-reward groups"] > 0 and out.branches["failed rewards"] > 0
+
+
+def _alpha_of_one_rank(self, rewards, valid):
+    graded = valid & ~self.equal_reward_groups(rewards, valid)[:, None]
+    return GRPO.group_advantages(self, rewards, valid) * (valid.numel() / max(int(graded.sum()), 1))
+
+
+def test_gpg_alpha_of_one_rank_is_caught_on_two_ranks(monkeypatch: pytest.MonkeyPatch):
+    gpg = get_method("gpg")
+    text = caught("gpg", "two simulated ranks, batch std", monkeypatch, (gpg, "group_advantages", _alpha_of_one_rank))
+    assert "FAILED (a) engine vs textbook" in text
+
+
+def test_gpg_without_alpha_is_caught(monkeypatch: pytest.MonkeyPatch):
+    gpg = get_method("gpg")
+    text = caught("gpg", "defaults", monkeypatch, (gpg, "group_advantages", GRPO.group_advantages))
+    assert "FAILED (a) engine vs textbook" in text
+
+
+def test_gpg_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "gpg")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in rows) and "gpg/adv_abs_mean" in rows[0]

@@ -38,6 +38,7 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
     # k3-importance-weighted where the method takes it (gspo refuses it: its ratio is per sequence), else plain k3
     iw = accepts(cls, {"beta": beta, "kl_estimator": "k3-importance-weighted"})
+    excl = accepts(cls, {"zero_std": "exclude"})  # gpg refuses it: its alpha corrects for those groups already
     batch = {"scale_rewards": "batch", "std": "sample"}  # the step's std is a sum over the ranks
     dual = {"mu": 2, "beta": beta, "dual_clip": 3.0}  # where the method takes it (cispo has no bound to add)
     both = {"mu": 2, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.2}  # a weight clipped below too (cispo, as verl)
@@ -69,13 +70,13 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
             },
         ),
         (
-            f"{'k3-iw' if iw else 'k3'} clamp 0.5, zero_std exclude, token",
+            f"{'k3-iw' if iw else 'k3'} clamp 0.5,{' zero_std exclude,' if excl else ''} token",
             {
                 "mu": 2,
                 "beta": beta,
                 "kl_estimator": "k3-importance-weighted" if iw else "k3",
                 "kl_clamp": 0.5,
-                "zero_std": "exclude",
+                **({"zero_std": "exclude"} if excl else {}),
                 "loss_norm": "token",
             },
         ),

@@ -58,7 +58,7 @@ def _short(q: str) -> str:
     return q.rsplit(".", 1)[-1]
 
 
-SURROGATES = {M + "cispo.CISPO": "cispo"}
+SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg"}
 """Rules whose own importance_ratio and clipped state a surrogate other than PPO's that the textbook restates."""
 CLIP_HOOKS = {
     "clip_range": {CLIP_: ""},
@@ -144,6 +144,7 @@ FAMILIES: dict[str, Family] = {
             "group_advantages": {
                 GRPO_: "group-relative",
                 M + "grpo_variants.RLOO": "leave-one-out",
+                M + "gpg.GPG": "gpg",
                 RB_: "running baseline",
             },
             "equal_reward_groups": {GRPO_: "", RB_: ""},

@@ -99,6 +99,8 @@ def _clip_terms(
         r = torch.exp(log_r)
     if tb.get("surrogate") == "cispo":
         per = cispo_terms(r, A, lp, lo, hi, on, br)
+    elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025, eq. 3): A log pi, no ratio, no clip
+        per = A * lp
     else:
         per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
         dc = getattr(s, "dual_clip", None)
@@ -141,7 +143,7 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
     if several and (tb or {}).get("surrogate") == "cispo":
         req |= {f"IS weight capped at 1 + eps_high, A {x} 0" for x in "<>"} | {"IS weight r inside the clip, != 1"}
         req |= {"IS weight raised to 1 - eps"} if lo < 1 else set()
-    elif several:
+    elif several and (tb or {}).get("surrogate") != "gpg":
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()
         )
@@ -183,6 +185,8 @@ def _group_advantages(
         else:
             scale = (float(r.std(unbiased=sample)) if s.scale_rewards == "group" else step_std) + s.std_eps
             A[idx] = c / scale if not scale <= 0 else 0.0
+    if tb["advantage"] == "gpg":  # GPG's alpha = B / (B - M), M the samples with no gradient (equal group, failed)
+        A = A * len(R) / max(int((valid & ~equal).sum()), 1)
     return A, equal
 
 

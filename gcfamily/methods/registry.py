@@ -50,6 +50,7 @@ METHODS: dict[str, str] = {
     "ppo": "gcfamily.methods.ppo:PPO",
     "gspo": "gcfamily.methods.gspo:GSPO",
     "cispo": "gcfamily.methods.cispo:CISPO",
+    "gpg": "gcfamily.methods.gpg:GPG",
     "reinforce-baseline": "gcfamily.methods.reinforce:ReinforceBaseline",
     "online-dpo": "gcfamily.methods.online_dpo:OnlineDPO",
     "kto": "gcfamily.methods.kto:KTO",
