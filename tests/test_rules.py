@@ -255,3 +255,51 @@ def test_gpg_two_steps(tmp_path):
     rows = two_steps(tmp_path, "gpg")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows) and "gpg/adv_abs_mean" in rows[0]
+
+
+# ============================================================================= GMPO
+
+
+def test_gmpo_by_hand():
+    m = make("gmpo", group_size=4, mu=2)  # eps 0.4 on both sides, in log space
+    logr = [0.0, 0.2, 0.6, -0.6]
+    batch, logps = one_row([math.exp(x) for x in logr], 1.0)
+    # A > 0: lt = min(l, 0.4) = 0, 0.2, 0.4 (clipped), -0.6 (kept): mean 0, rho 1; the clipped token loses its gradient
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 1.0])
+    assert float(m.objective(batch, logps, 1.0)) == pytest.approx(1.0)  # one row: A rho
+    assert m.metrics(batch, logps, m.coefficient(batch, logps))["gmpo/clip_frac"] == 0.25
+    batch, logps = one_row([math.exp(x) for x in logr], -1.0)
+    # A < 0: lt = max(l, -0.4) = 0, 0.2, 0.6, -0.4 (clipped): mean 0.1, rho e^0.1
+    rho = math.exp(0.1)
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-rho, -rho, -rho, 0.0])
+    assert float(m.objective(batch, logps, 1.0)) == pytest.approx(-rho)
+    with pytest.raises(GcfError, match="gmpo refuses dual_clip"):
+        make("gmpo", group_size=4, dual_clip=3.0)
+
+
+@pytest.mark.parametrize(
+    "label", ["clip and KL", "k3-iw clamp 0.5, zero_std exclude, token", "two simulated ranks, batch std"]
+)
+def test_gcf_check_passes_gmpo(label: str):
+    out = run_case("gmpo", label)
+    assert out.ok, check.report("gmpo", get_method("gmpo"), [out])[0]
+    if label != "two simulated ranks, batch std":  # one pass: the ratio is 1
+        assert out.branches["tokens with log r past eps_high, A > 0 (clipped)"] > 0
+        assert out.branches["tokens with log r outside the clip on the side A keeps"] > 0
+
+
+def _mean_over_every_position(self, batch, logps):
+    lt = self.clipped_log_ratio(batch, logps)
+    return torch.exp(lt.mean(-1, keepdim=True))  # the planted bug: over all L positions, prompt and padding too
+
+
+def test_gmpo_mean_over_prompt_and_padding_is_caught(monkeypatch: pytest.MonkeyPatch):
+    gmpo = get_method("gmpo")
+    text = caught("gmpo", "clip and KL", monkeypatch, (gmpo, "sequence_ratio", _mean_over_every_position))
+    assert "FAILED (a) engine vs textbook" in text
+
+
+def test_gmpo_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "gmpo", num_minibatches=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("gmpo/clip_frac" in r and math.isfinite(r["loss"]) for r in rows)

@@ -58,7 +58,7 @@ def _short(q: str) -> str:
     return q.rsplit(".", 1)[-1]
 
 
-SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg"}
+SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg", M + "gmpo.GMPO": "gmpo"}
 """Rules whose own importance_ratio and clipped state a surrogate other than PPO's that the textbook restates."""
 CLIP_HOOKS = {
     "clip_range": {CLIP_: ""},
@@ -278,10 +278,12 @@ def textbook_choices(cls: type[Method]) -> tuple[dict | None, str]:
         tb["loss"] = PAIR_LOSSES[combo]
     if fam.clipped:
         where = _definer(cls, "importance_ratio")
-        if cls.ratio_level == "sequence":  # GSPO's s_i = exp(mean_t log pi/pi_old), whoever writes it
+        if where in SURROGATES:  # a surrogate of its own, placed and counted per token
+            tb["ratio"], tb["surrogate"] = "token", SURROGATES[where]
+        elif cls.ratio_level == "sequence":  # GSPO's s_i = exp(mean_t log pi/pi_old), whoever writes it
             tb["ratio"] = "sequence"
-        elif where == CLIP_ or where in SURROGATES:
-            tb["ratio"], tb["surrogate"] = "token", SURROGATES.get(_definer(cls, "clipped"), "clip")
+        elif where == CLIP_:
+            tb["ratio"] = "token"
         else:
             return None, (
                 f"{cls.__name__}.importance_ratio is its own (defined in {where}) at ratio_level={cls.ratio_level}; "

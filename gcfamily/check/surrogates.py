@@ -21,3 +21,31 @@ def cispo_terms(
     inside = (rd >= 1 - lo) & (rd <= 1 + hi) & ((rd - 1).abs() > 1e-6)
     br["tokens with the IS weight r inside the clip, != 1"] += int(((Ad != 0) & inside & on).sum())
     return torch.clamp(r, 1 - lo, 1 + hi).detach() * A * lp
+
+
+def gmpo_terms(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    A: torch.Tensor,
+    mask: torch.Tensor,
+    lo: float,
+    hi: float,
+    on: torch.Tensor,
+    br: Counter,
+) -> torch.Tensor:
+    """GMPO (Zhao et al. 2025, eq. 5): A_i exp((1/|o_i|) sum_t sgn(A_i) min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -eps_low,
+    eps_high))), l_t = log pi/pi_old, the mean over the completion's tokens; the row's value on each of its tokens [B, L]
+    (the aggregate weighs a row by the sum of its tokens' weights). Counts the log ratios clipped on each side."""
+    l, sgn = lp - old, torch.sign(A).expand_as(lp)
+    lt = sgn * torch.minimum(sgn * l, sgn * torch.clamp(l, -lo, hi))
+    rho = torch.exp((lt * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))  # [B, 1]
+    ld = l.detach()
+    br["tokens with log r past eps_high, A > 0 (clipped)"] += int(((sgn > 0) & (ld > hi) & on).sum())
+    br["tokens with log r below -eps_low, A < 0 (clipped)"] += int(((sgn < 0) & (ld < -lo) & on).sum())
+    br["tokens with log r outside the clip on the side A keeps"] += int(
+        ((((sgn > 0) & (ld < -lo)) | ((sgn < 0) & (ld > hi))) & on).sum()
+    )
+    br["tokens with log r inside the clip, != 0"] += int(
+        ((sgn != 0) & (ld.abs() > 1e-6) & (ld >= -lo) & (ld <= hi) & on).sum()
+    )
+    return (A * rho).expand_as(lp)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gcfamily.check.surrogates import cispo_terms
+from gcfamily.check.surrogates import cispo_terms, gmpo_terms
 from gcfamily.check.world import G, L, N, StubCritic, StubServices, World
 from gcfamily.methods.base import Batch, Method
 
@@ -99,6 +99,8 @@ def _clip_terms(
         r = torch.exp(log_r)
     if tb.get("surrogate") == "cispo":
         per = cispo_terms(r, A, lp, lo, hi, on, br)
+    elif tb.get("surrogate") == "gmpo":
+        per = gmpo_terms(lp, old, A, mask, lo, hi, on, br)
     elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025, eq. 3): A log pi, no ratio, no clip
         per = A * lp
     else:
@@ -143,6 +145,9 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
     if several and (tb or {}).get("surrogate") == "cispo":
         req |= {f"IS weight capped at 1 + eps_high, A {x} 0" for x in "<>"} | {"IS weight r inside the clip, != 1"}
         req |= {"IS weight raised to 1 - eps"} if lo < 1 else set()
+    elif several and (tb or {}).get("surrogate") == "gmpo":
+        req |= {f"log r {x}" for x in ("past eps_high, A > 0 (clipped)", "below -eps_low, A < 0 (clipped)")}
+        req |= {"log r outside the clip on the side A keeps", "log r inside the clip, != 0"}
     elif several and (tb or {}).get("surrogate") != "gpg":
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()

@@ -51,6 +51,7 @@ METHODS: dict[str, str] = {
     "gspo": "gcfamily.methods.gspo:GSPO",
     "cispo": "gcfamily.methods.cispo:CISPO",
     "gpg": "gcfamily.methods.gpg:GPG",
+    "gmpo": "gcfamily.methods.gmpo:GMPO",
     "reinforce-baseline": "gcfamily.methods.reinforce:ReinforceBaseline",
     "online-dpo": "gcfamily.methods.online_dpo:OnlineDPO",
     "kto": "gcfamily.methods.kto:KTO",
