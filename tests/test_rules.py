@@ -1,4 +1,4 @@
-"""verl's and OpenRLHF's policy-loss rules as rules of the zoo (issue 47): dual-clip, CISPO, GPG.
+"""verl's and OpenRLHF's policy-loss rules as rules of the zoo (issue 47): dual-clip, CISPO, GPG, GMPO, SAPO.
 
 Each rule: a coefficient worked by hand, `gcf check` on the case that reaches its branches, a bug planted where the
 rule lives that the check must fail, and two steps of `gcf run` on the tiny model.
@@ -303,3 +303,46 @@ def test_gmpo_two_steps(tmp_path):
     rows = two_steps(tmp_path, "gmpo", num_minibatches=2)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("gmpo/clip_frac" in r and math.isfinite(r["loss"]) for r in rows)
+
+
+# ============================================================================= SAPO
+
+
+def test_sapo_by_hand():
+    m = make("sapo", group_size=4, mu=2)  # tau_pos 1, tau_neg 1.05
+    batch, logps = one_row([1.0, 2.0], 1.0)
+    # r = 1: s = 1/2, GC = 4 * 1 * 1/4 * A = A; r = 2, tau 1: s = sigmoid(1), GC = 4 * 2 * s (1 - s)
+    s = 1 / (1 + math.exp(-1.0))
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([1.0, 8 * s * (1 - s)])
+    # J = sequence mean of (4 / tau) sigmoid(tau (r - 1)) A = (2 + 4 s) / 2
+    assert float(m.objective(batch, logps, 1.0)) == pytest.approx((2 + 4 * s) / 2)
+    batch, logps = one_row([2.0], -1.0)  # A < 0: tau_neg = 1.05
+    s = 1 / (1 + math.exp(-1.05))
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-8 * s * (1 - s)])
+    with pytest.raises(GcfError, match="tau_neg must be > 0"):
+        make("sapo", group_size=4, tau_neg=0.0)
+
+
+@pytest.mark.parametrize("label", ["clip and KL", "sampler correction token_truncate, clip and KL"])
+def test_gcf_check_passes_sapo(label: str):
+    out = run_case("sapo", label)
+    assert out.ok, check.report("sapo", get_method("sapo"), [out])[0]
+    assert out.branches["tokens with A > 0, r != 1 (gate at tau_pos)"] > 0
+    assert out.branches["tokens with A < 0, r != 1 (gate at tau_neg)"] > 0
+
+
+def _gate_on_the_wrong_sign(self, batch):
+    s = self.settings
+    return torch.where(self.token_advantages(batch) < 0, s.tau_pos, s.tau_neg)  # the planted bug: A < 0 gets tau_pos
+
+
+def test_sapo_gate_on_the_wrong_advantage_sign_is_caught(monkeypatch: pytest.MonkeyPatch):
+    sapo = get_method("sapo")
+    text = caught("sapo", "clip and KL", monkeypatch, (sapo, "gate_temperature", _gate_on_the_wrong_sign))
+    assert "FAILED (a) engine vs textbook" in text and "FAILED (a) engine vs own objective" not in text
+
+
+def test_sapo_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "sapo", num_minibatches=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("sapo/gate_slope_mean" in r and math.isfinite(r["loss"]) for r in rows)

@@ -58,7 +58,7 @@ def _short(q: str) -> str:
     return q.rsplit(".", 1)[-1]
 
 
-SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg", M + "gmpo.GMPO": "gmpo"}
+SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg", M + "gmpo.GMPO": "gmpo", M + "sapo.SAPO": "sapo"}
 """Rules whose own importance_ratio and clipped state a surrogate other than PPO's that the textbook restates."""
 CLIP_HOOKS = {
     "clip_range": {CLIP_: ""},

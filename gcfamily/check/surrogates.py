@@ -49,3 +49,14 @@ def gmpo_terms(
         ((sgn != 0) & (ld.abs() > 1e-6) & (ld >= -lo) & (ld <= hi) & on).sum()
     )
     return (A * rho).expand_as(lp)
+
+
+def sapo_terms(r: torch.Tensor, A: torch.Tensor, s: object, on: torch.Tensor, br: Counter) -> torch.Tensor:
+    """SAPO (Gao et al. 2025): (4 / tau) sigmoid(tau (r - 1)) A per token, tau = tau_pos where A > 0, tau_neg where
+    A < 0 (and A = 0, whose term is 0). Counts the tokens off r = 1 under each temperature."""
+    Ae = A.expand_as(r)
+    tau = torch.where(Ae > 0, s.tau_pos, s.tau_neg)  # type: ignore[attr-defined]
+    off = (r.detach() - 1).abs() > 1e-6
+    br["tokens with A > 0, r != 1 (gate at tau_pos)"] += int(((Ae > 0) & off & on).sum())
+    br["tokens with A < 0, r != 1 (gate at tau_neg)"] += int(((Ae < 0) & off & on).sum())
+    return 4 / tau * torch.sigmoid(tau * (r - 1)) * Ae

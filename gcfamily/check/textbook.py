@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gcfamily.check.surrogates import cispo_terms, gmpo_terms
+from gcfamily.check.surrogates import cispo_terms, gmpo_terms, sapo_terms
 from gcfamily.check.world import G, L, N, StubCritic, StubServices, World
 from gcfamily.methods.base import Batch, Method
 
@@ -101,6 +101,8 @@ def _clip_terms(
         per = cispo_terms(r, A, lp, lo, hi, on, br)
     elif tb.get("surrogate") == "gmpo":
         per = gmpo_terms(lp, old, A, mask, lo, hi, on, br)
+    elif tb.get("surrogate") == "sapo":
+        per = sapo_terms(r, A, s, on, br)
     elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025, eq. 3): A log pi, no ratio, no clip
         per = A * lp
     else:
@@ -148,6 +150,8 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
     elif several and (tb or {}).get("surrogate") == "gmpo":
         req |= {f"log r {x}" for x in ("past eps_high, A > 0 (clipped)", "below -eps_low, A < 0 (clipped)")}
         req |= {"log r outside the clip on the side A keeps", "log r inside the clip, != 0"}
+    elif several and (tb or {}).get("surrogate") == "sapo":
+        req |= {"A > 0, r != 1 (gate at tau_pos)", "A < 0, r != 1 (gate at tau_neg)"}
     elif several and (tb or {}).get("surrogate") != "gpg":
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()

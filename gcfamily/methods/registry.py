@@ -52,6 +52,7 @@ METHODS: dict[str, str] = {
     "cispo": "gcfamily.methods.cispo:CISPO",
     "gpg": "gcfamily.methods.gpg:GPG",
     "gmpo": "gcfamily.methods.gmpo:GMPO",
+    "sapo": "gcfamily.methods.sapo:SAPO",
     "reinforce-baseline": "gcfamily.methods.reinforce:ReinforceBaseline",
     "online-dpo": "gcfamily.methods.online_dpo:OnlineDPO",
     "kto": "gcfamily.methods.kto:KTO",
