@@ -8,11 +8,19 @@ from collections import Counter
 
 import torch
 
+STATED = {
+    "cispo": "sg(clip(r, 1 - eps, 1 + eps_high)) A log pi - beta KL_t (MiniMax-M1); A from the rewards",
+    "gpg": "A log pi - beta KL_t, A = alpha (R - mean R), alpha = B / (B - M) (GPG)",
+    "gmpo": "A exp(mean_t sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps, eps_high))) - beta KL_t (GMPO)",
+    "sapo": "(4 / tau) sigmoid(tau (r - 1)) A - beta KL_t, tau = tau_pos if A > 0 else tau_neg (SAPO)",
+}
+"""What the textbook states for each surrogate, in a line (`gcf check` prints it in place of the family's)."""
+
 
 def cispo_terms(
     r: torch.Tensor, A: torch.Tensor, lp: torch.Tensor, lo: float, hi: float, on: torch.Tensor, br: Counter
 ) -> torch.Tensor:
-    """CISPO (MiniMax-M1, eq. 4): sg(clip(r, 1 - eps, 1 + eps_high)) A log pi per token; the weight is a constant, so
+    """CISPO (MiniMax-M1): sg(clip(r, 1 - eps, 1 + eps_high)) A log pi per token; the weight is a constant, so
     no token loses its gradient. Counts capped weights of both signs of A, raised ones and those inside."""
     rd, Ad = r.detach(), A.expand_as(r)
     for sign, name in ((Ad > 0, "A > 0"), (Ad < 0, "A < 0")):
@@ -33,7 +41,7 @@ def gmpo_terms(
     on: torch.Tensor,
     br: Counter,
 ) -> torch.Tensor:
-    """GMPO (Zhao et al. 2025, eq. 5): A_i exp((1/|o_i|) sum_t sgn(A_i) min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -eps_low,
+    """GMPO (Zhao et al. 2025): A_i exp((1/|o_i|) sum_t sgn(A_i) min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -eps_low,
     eps_high))), l_t = log pi/pi_old, the mean over the completion's tokens; the row's value on each of its tokens [B, L]
     (the aggregate weighs a row by the sum of its tokens' weights). Counts the log ratios clipped on each side."""
     l, sgn = lp - old, torch.sign(A).expand_as(lp)

@@ -103,12 +103,12 @@ def _clip_terms(
         per = gmpo_terms(lp, old, A, mask, lo, hi, on, br)
     elif tb.get("surrogate") == "sapo":
         per = sapo_terms(r, A, s, on, br)
-    elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025, eq. 3): A log pi, no ratio, no clip
+    elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025): A log pi, no ratio, no clip
         per = A * lp
     else:
         per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
         dc = getattr(s, "dual_clip", None)
-        if dc is not None:  # dual-clip (Ye et al. 2020, eq. 4): for A < 0 the term is max(min(r A, clip(r) A), c A)
+        if dc is not None:  # dual-clip (Ye et al. 2020): for A < 0 the term is max(min(r A, clip(r) A), c A)
             per = torch.where(A < 0, torch.maximum(per, dc * A), per)
         _count_clip(tb, r, A, on, lo, hi, dc, br)
     per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)

@@ -1,6 +1,6 @@
 """CISPO: the importance-sampling weight clipped and detached, so that every token keeps a gradient.
 
-Objective (MiniMax-M1, Chen et al. 2025, arXiv:2506.13585, eq. 4), maximised:
+Objective (MiniMax-M1, Chen et al. 2025, arXiv:2506.13585), maximised:
 
     J    = aggregate_t[ sg(w_t) A_i log pi(o_t) * c_t - beta * KL_t ]
     w_t  = clip(r_t, 1 - eps, 1 + eps_high),   r_t = pi(o_t) / pi_old(o_t)

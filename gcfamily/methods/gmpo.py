@@ -1,6 +1,6 @@
 """GMPO: the geometric mean of the token ratios, each clipped in log space, as one ratio per sequence.
 
-Objective (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673, eq. 5; verl's
+Objective (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; verl's
 compute_policy_loss_geo_mean), maximised:
 
     J    = aggregate_i[ A_i rho_i ]  -  beta * aggregate_t[ KL_t ]
