@@ -17,6 +17,8 @@ for loss_type="cispo" from ScaleRL (arXiv:2510.13786); TRL clamps r at epsilon_h
 so TRL's epsilon_high=5.0 is this epsilon_high=4.0. verl's compute_policy_loss_cispo clips to
 [1 - clip_ratio_low, 1 + clip_ratio_high], this rule's form: `--set epsilon=0.2 epsilon_high=0.2` is verl's default.
 Like TRL's and verl's (token-mean), every token of the step weighs the same (Z = tokens); no KL (beta 0), as the paper.
+Its size: three of the clipped surrogate's hooks change (the ratio's GC factor, no zeroed token, the objective),
+and its metrics count capped and raised weights instead of PPO's clip fractions.
 """
 
 from __future__ import annotations

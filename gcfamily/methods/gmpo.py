@@ -21,6 +21,8 @@ Unlike GSPO a clipped token keeps its place in the mean (a constant there) and o
 Defaults are the paper's: eps_low = eps_high = 0.4 (the range (e^-0.4, e^0.4)), sequence mean (verl takes the mean
 of the sequences' terms), beta 0. With the sampler correction (tis) the sequence term of each token is weighed by its
 c_t, as GSPO's (clipped.py), so GC multiplies by the row's mean of c; verl weighs by the geometric mean instead.
+Its size: the sign-dependent log clip, the sequence ratio, the zeroed tokens and the objective are each a hook,
+and its metrics count clipped log ratios instead of the linear clip's fractions.
 """
 
 from __future__ import annotations

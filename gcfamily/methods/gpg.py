@@ -12,6 +12,7 @@ so GC = A_i * c_t - beta * dKL_t/dlogp_t (c_t the sampler correction, tis). alph
 by the samples that carry no gradient (the paper's bias correction). verl computes alpha as B over the count of
 non-zero rewards, which is this M only for 0/1 rewards where every group is mixed; this follows the paper. Defaults as
 verl's: token-mean aggregation, beta 0. No pi_old enters the rule, so several inner passes train the same A log pi.
+Its size: the advantage, the ratio (none), the clip (none) and the objective each change, one short hook each.
 """
 
 from __future__ import annotations

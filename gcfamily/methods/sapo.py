@@ -14,6 +14,8 @@ At r = 1 the gate's slope is 4 * 1/4 = 1: GC = A_i, the policy gradient; away fr
 cut off at a threshold), faster for the larger tau, which the paper gives the negative advantages (tau_neg = 1.05 >
 tau_pos = 1.0, the defaults of the paper, TRL and verl). Aggregation as verl's (seq-mean-token-mean) and TRL's
 (sapo normalises as grpo): the sequence mean. epsilon and epsilon_high do not enter the rule.
+Its size: the gate's temperature, the ratio's GC factor, no zeroed token and the objective are each a hook, and
+its metrics log the gate's mean slope instead of clip fractions.
 """
 
 from __future__ import annotations
