@@ -238,6 +238,36 @@ ROWS: list[Row] = [
         "grpo",
         "mu=2 beta=0 std_eps=1e-4 loss_norm=sum",
     ),
+    Row(
+        "cispo epsilon_high=1.1 (TRL caps r at epsilon_high)",
+        "grpo",
+        {"loss_type": "cispo", "epsilon_high": 1.1, **MU2},
+        "cispo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon=1 epsilon_high=0.1",
+    ),
+    Row(
+        "cispo epsilon_high=1.1 beta=0.04 (bias-corrected KL)",
+        "grpo",
+        {"loss_type": "cispo", "epsilon_high": 1.1, "beta": 0.04, **MU2},
+        "cispo",
+        "mu=2 beta=0.04 std_eps=1e-4 epsilon=1 epsilon_high=0.1 kl_estimator=k3-importance-weighted kl_clamp=none",
+    ),
+    Row("sapo", "grpo", {"loss_type": "sapo", **MU2}, "sapo", "mu=2 beta=0 std_eps=1e-4"),
+    Row(
+        "sapo temperatures 0.5/2.0",
+        "grpo",
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0, **MU2},
+        "sapo",
+        "mu=2 beta=0 std_eps=1e-4 tau_pos=0.5 tau_neg=2.0",
+    ),
+    Row(
+        "sapo with tau_pos and tau_neg swapped (control)",
+        "grpo",
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0, **MU2},
+        "sapo",
+        "mu=2 beta=0 std_eps=1e-4 tau_pos=2.0 tau_neg=0.5",
+        expect="differ",
+    ),
     # -- user extensions (not built in; the classes above)
     Row(
         "grpo importance_sampling_level=sequence (GSPO) [subclass]",
@@ -737,7 +767,9 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
         if "old" in trl["calls"]:  # pi_old != pi
             eps = row.trl.get("epsilon", 0.2)
             level = row.trl.get("importance_sampling_level", "token")
-            res["coverage"] = coverage(case, trl["advantages"], eps, row.trl.get("epsilon_high") or eps, level)
+            hi = row.trl.get("epsilon_high") or eps
+            hi = hi - 1 if row.trl.get("loss_type") == "cispo" else hi  # cispo caps r at epsilon_high itself
+            res["coverage"] = coverage(case, trl["advantages"], eps, hi, level)
     worst = max(res["loss_diff"], res["grad_diff"], res["adv_diff"] or 0.0)
     res["ok"] = worst <= TOL if row.expect == "match" else worst >= CONTROL_MIN
     return res

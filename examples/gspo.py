@@ -34,7 +34,10 @@ class GSPO(GRPO):
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         s, adv, (lo, hi) = self.importance_ratio(batch, logps)[0], self.token_advantages(batch), self.clip_range()
-        surrogate = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv) * batch.loss_mask  # [B, L]
+        surrogate = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)  # [B, L]
+        if self.settings.dual_clip is not None:  # dual-clip: for A < 0 the term is at least c A
+            surrogate = torch.where(adv < 0, torch.maximum(surrogate, self.settings.dual_clip * adv), surrogate)
+        surrogate = surrogate * batch.loss_mask
         surrogate = surrogate * self.sampler_correction(batch, self._old(batch, logps))  # tis: each token's weight
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J with A = 0: its KL term
         return self.aggregate(surrogate, batch, Z) + super().objective(kl_only, logps, Z)

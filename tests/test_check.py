@@ -29,6 +29,8 @@ def _gspo_copy(tmp_path: Path, objective_clipped: bool = True) -> str:
     if not objective_clipped:
         assert "s.clamp(1 - lo, 1 + hi) * adv" in text
         text = text.replace("s.clamp(1 - lo, 1 + hi) * adv", "s * adv")
+        assert "if self.settings.dual_clip is not None:" in text  # and without dual-clip's bound, as the coefficient
+        text = text.replace("if self.settings.dual_clip is not None:", "if False:")
     path = tmp_path / "gspo_no_clip.py"
     path.write_text(text)
     return f"{path}:GSPO"
@@ -52,7 +54,8 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "micro-batches",
         "tokens with the sampler ratio above tis_max (truncated)",
         "sequences with the sampler ratio below tis_min (masked)",
-        "11 cases: 11 passed, 0 failed",
+        "tokens past dual-clip's bound (A < 0, r > c)",
+        "12 cases: 12 passed, 0 failed",
     ):
         assert line in out, line
     assert "FAILED" not in out

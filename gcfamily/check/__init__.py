@@ -35,8 +35,9 @@ the textbook weighs each token's term by TRL's truncated or masked ratio pi_old/
 
 from __future__ import annotations
 
-# the stub world (sizes, rewards, stub trainer and critic), the textbook, the batches and the families (their cases,
-# and what a class is held to) live in modules of their own; running the checks in gradient.py, recording them in
+# the stub world (sizes, rewards, stub trainer and critic), the textbook (with the surrogates other than PPO's clip in
+# surrogates.py), the batches, the settings cases (cases.py) and the families (what a class is held to) live in modules
+# of their own; running the checks in gradient.py, recording them in
 # outcome.py, the text `gcf check` prints in report.py
 from gcfamily.check.families import (
     FAMILIES,

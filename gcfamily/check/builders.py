@@ -95,7 +95,7 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
     past 1 + eps_high where A > 0, below 1 - eps where A < 0, inside, and in the band between eps and eps_high."""
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     a = min(lo, hi)
-    up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo))
+    up, down = math.log1p(1.5 * hi), math.log((1 - lo) * (1 - 0.5 * lo)) if lo < 1 else None  # lo >= 1: no lower clip
     band_up = math.log1p(0.5 * (lo + hi)) if lo != hi else None
     band_down = math.log1p(-0.5 * (lo + hi)) if lo != hi and lo + hi < 2 else None
     cycles = {
@@ -103,6 +103,9 @@ def _design_ratios(world: World, signs: list[int], s: Any, sequence: bool, gen: 
         -1: [down, band_down, math.log1p(-0.5 * a), up],
         0: [math.log1p(0.5 * a), up, band_up, math.log1p(-0.5 * a), down, band_down],
     }
+    if getattr(s, "dual_clip", None):  # past dual-clip's c, where A < 0 (a row of either sign for per-token A)
+        cycles[-1].insert(1, math.log(1.25 * s.dual_clip))
+        cycles[0].insert(2, math.log(1.25 * s.dual_clip))
     cycles = {k: [x for x in c if x is not None] for k, c in cycles.items()}
     count = Counter()
     for i, sign in enumerate(signs):

@@ -28,7 +28,8 @@ from gcfamily.check.builders import (
     build_process,
     build_unpaired,
 )
-from gcfamily.check.world import CLIP_, DPO_, GRPO_, PPO_, RB_, G, M, _definer, _qual, make
+from gcfamily.check.cases import RANKS, TAU, TIS, accepts, group_cases
+from gcfamily.check.world import CLIP_, DPO_, GRPO_, PPO_, RB_, M, _definer, _qual
 from gcfamily.config import FIELDS
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Method
@@ -53,97 +54,18 @@ class Family:
         return list(self.hooks) + (["importance_ratio"] if self.clipped else [])
 
 
-def _accepts(cls: type[Method], settings: dict) -> bool:
-    """Whether the method's validation takes these settings (a method may refuse one, in one sentence)."""
-    try:
-        make(cls, {"group_size": G, **settings})
-    except GcfError:
-        return False
-    return True
-
-
-TIS = {
-    mode: {"tis": mode, "tis_min": 0.5, "tis_max": 2.0}
-    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-}
-"""The sampler correction's cases (setting tis): each mode with both bounds, so that ratios fall past each."""
-
-
-TAU = 0.7
-"""A sampling temperature other than 1: the policy is pi at tau, log softmax(logits / tau), in the engine's chunked
-log-probs (whose backward carries the 1/tau), in pi_old and pi_ref, and in the textbook."""
-
-
-RANKS = "simulated_ranks"
-"""A case's key (not a setting; run_case takes it out): the step's rows split over this many simulated ranks, each a
-method of its own whose Services.all_sum sums over them (world.Collective); the gradient is one rank's."""
-
-
-def _group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
-    beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
-    # k3-importance-weighted where the method takes it (gspo refuses it: its ratio is per sequence), else plain k3
-    iw = _accepts(cls, {"beta": beta, "kl_estimator": "k3-importance-weighted"})
-    batch = {"scale_rewards": "batch", "std": "sample"}  # the step's std is a sum over the ranks
-    return [
-        ("defaults", {}),
-        ("clip and KL", {"mu": 2, "beta": beta}),
-        (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
-        (
-            "minibatches, k1, batch std",
-            {
-                "num_minibatches": 2,
-                "beta": beta,
-                "kl_estimator": "k1",
-                "scale_rewards": "batch",
-                "std_eps": 1e-4,
-                "std": "population",
-            },
-        ),
-        ("batch sample std", {"scale_rewards": "batch", "std": "sample"}),
-        (
-            "k2 unclamped, no std, sum",
-            {
-                "mu": 2,
-                "beta": beta,
-                "kl_estimator": "k2",
-                "kl_clamp": None,
-                "scale_rewards": "none",
-                "loss_norm": "sum",
-            },
-        ),
-        (
-            f"{'k3-iw' if iw else 'k3'} clamp 0.5, zero_std exclude, token",
-            {
-                "mu": 2,
-                "beta": beta,
-                "kl_estimator": "k3-importance-weighted" if iw else "k3",
-                "kl_clamp": 0.5,
-                "zero_std": "exclude",
-                "loss_norm": "token",
-            },
-        ),
-        (
-            "KL in the reward, constant",
-            {
-                "mu": 2,
-                "beta": 0.02,
-                "kl_placement": "reward",
-                "kl_estimator": "k1",
-                "loss_norm": "constant",
-                "norm_constant": 3.0,
-            },
-        ),
-        ("two simulated ranks, batch std", {RANKS: 2, **(batch if _accepts(cls, batch) else {})}),
-        ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
-        ("sampler correction sequence_mask", TIS["sequence_mask"]),
-    ]
-
-
 def _short(q: str) -> str:
     return q.rsplit(".", 1)[-1]
 
 
-CLIP_HOOKS = {"clip_range": {CLIP_: ""}, "clipped": {CLIP_: ""}, "kl_in_loss": {CLIP_: ""}, "kl_reward": {CLIP_: ""}}
+SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg", M + "gmpo.GMPO": "gmpo", M + "sapo.SAPO": "sapo"}
+"""Rules whose own importance_ratio and clipped state a surrogate other than PPO's that the textbook restates."""
+CLIP_HOOKS = {
+    "clip_range": {CLIP_: ""},
+    "clipped": {CLIP_: "", **dict.fromkeys(SURROGATES, "")},
+    "kl_in_loss": {CLIP_: ""},
+    "kl_reward": {CLIP_: ""},
+}
 SURROGATE = (
     "min(r A, clip(r, 1 - eps, 1 + eps_high) A) - beta KL_t (k1, k2, k3, k3-iw by definition, clamped as set), "
     "r per token or sequence"
@@ -207,6 +129,7 @@ FAMILIES: dict[str, Family] = {
             ("GAE unwhitened", {"whiten": False, "mu": 2}),
             ("sampler correction token_mask, clip and KL", {**TIS["token_mask"], "mu": 2}),
             ("sampler correction sequence_truncate", TIS["sequence_truncate"]),
+            ("dual-clip 3, clip and KL", {"mu": 2, "dual_clip": 3.0}),
         ],
         SURROGATE + "; A = GAE on the critic's values, whitened unless whiten=false",
         {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS},
@@ -215,12 +138,13 @@ FAMILIES: dict[str, Family] = {
     GRPO_: Family(
         "on-policy groups",
         build_groups,
-        _group_cases,
+        group_cases,
         SURROGATE + "; A from the rewards",
         {
             "group_advantages": {
                 GRPO_: "group-relative",
                 M + "grpo_variants.RLOO": "leave-one-out",
+                M + "gpg.GPG": "gpg",
                 RB_: "running baseline",
             },
             "equal_reward_groups": {GRPO_: "", RB_: ""},
@@ -262,7 +186,7 @@ FAMILIES: dict[str, Family] = {
         lambda c: [
             ("defaults", {}),
             ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"}),
-            *[(f"sampler correction {m}", TIS[m]) for m in ("token_truncate", "sequence_mask") if _accepts(c, TIS[m])],
+            *[(f"sampler correction {m}", TIS[m]) for m in ("token_truncate", "sequence_mask") if accepts(c, TIS[m])],
         ],
         "the log-likelihood of the valid samples whose reward clears the threshold",
         {"prepare": {M + "rft.RFT": ""}},
@@ -354,7 +278,9 @@ def textbook_choices(cls: type[Method]) -> tuple[dict | None, str]:
         tb["loss"] = PAIR_LOSSES[combo]
     if fam.clipped:
         where = _definer(cls, "importance_ratio")
-        if cls.ratio_level == "sequence":  # GSPO's s_i = exp(mean_t log pi/pi_old), whoever writes it
+        if where in SURROGATES:  # a surrogate of its own, placed and counted per token
+            tb["ratio"], tb["surrogate"] = "token", SURROGATES[where]
+        elif cls.ratio_level == "sequence":  # GSPO's s_i = exp(mean_t log pi/pi_old), whoever writes it
             tb["ratio"] = "sequence"
         elif where == CLIP_:
             tb["ratio"] = "token"

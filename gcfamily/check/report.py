@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gcfamily.check.families import family_of, own_rule, textbook_for
 from gcfamily.check.outcome import Outcome
+from gcfamily.check.surrogates import STATED
 from gcfamily.methods.base import Method
 
 
@@ -35,7 +36,8 @@ def report(spec: str, cls: type[Method], outcomes: list[Outcome]) -> tuple[str, 
             f"textbook: none: {why}; checked against its own objective only: autograd of {cls.__name__}.objective, "
             "and (b) with that objective's GC"
             if why
-            else f"textbook: {fam.textbook}" + (f" [{', '.join(f'{k}: {v}' for k, v in tb.items())}]" if tb else "")
+            else f"textbook: {STATED.get(tb.get('surrogate', ''), fam.textbook)}"
+            + (f" [{', '.join(f'{k}: {v}' for k, v in tb.items())}]" if tb else "")
         )
         kind, rule = own_rule(cls)
         if kind in ("coefficient", "objective"):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gcfamily.check.surrogates import cispo_terms, gmpo_terms, sapo_terms
 from gcfamily.check.world import G, L, N, StubCritic, StubServices, World
 from gcfamily.methods.base import Batch, Method
 
@@ -96,20 +97,21 @@ def _clip_terms(
         r = torch.exp((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(lp)
     else:
         r = torch.exp(log_r)
-    per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+    if tb.get("surrogate") == "cispo":
+        per = cispo_terms(r, A, lp, lo, hi, on, br)
+    elif tb.get("surrogate") == "gmpo":
+        per = gmpo_terms(lp, old, A, mask, lo, hi, on, br)
+    elif tb.get("surrogate") == "sapo":
+        per = sapo_terms(r, A, s, on, br)
+    elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025): A log pi, no ratio, no clip
+        per = A * lp
+    else:
+        per = torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+        dc = getattr(s, "dual_clip", None)
+        if dc is not None:  # dual-clip (Ye et al. 2020): for A < 0 the term is max(min(r A, clip(r) A), c A)
+            per = torch.where(A < 0, torch.maximum(per, dc * A), per)
+        _count_clip(tb, r, A, on, lo, hi, dc, br)
     per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)
-    rd, Ad = r.detach(), A.expand_as(r)
-    level = "sequences" if tb["ratio"] == "sequence" else "tokens"
-    cells = on.any(-1) if level == "sequences" else on
-    pick = (lambda x: x[:, 0]) if level == "sequences" else (lambda x: x)
-    rd, Ad = pick(rd), pick(Ad)
-    low, high = (Ad < 0) & (rd < 1 - lo), (Ad > 0) & (rd > 1 + hi)
-    br[f"{level} clipped low"] += int((low & cells).sum())
-    br[f"{level} clipped high"] += int((high & cells).sum())
-    br[f"{level} unclipped, r != 1"] += int((~low & ~high & (Ad != 0) & ((rd - 1).abs() > 1e-6) & cells).sum())
-    a, b = min(lo, hi), max(lo, hi)
-    band = ((Ad > 0) & (rd > 1 + a) & (rd <= 1 + b)) | ((Ad < 0) & (rd < 1 - a) & (rd >= 1 - b))
-    br[f"{level} in the band between eps and eps_high"] += int((band & cells).sum()) if lo != hi else 0
     if ref is not None and s.beta > 0 and s.kl_placement == "loss":
         c = math.inf if s.kl_clamp is None else s.kl_clamp
         d = ref - lp
@@ -120,13 +122,41 @@ def _clip_terms(
     return per
 
 
-def _clip_required(s: Any, several: bool, br_kl_reward: bool) -> set[str]:
+def _count_clip(
+    tb: dict, r: torch.Tensor, A: torch.Tensor, on: torch.Tensor, lo: float, hi: float, dc: Any, br: Counter
+) -> None:
+    """Which side of the clip (and of dual-clip's c) each token, or row for a sequence ratio, is on."""
+    rd, Ad = r.detach(), A.expand_as(r)
+    level = "sequences" if tb["ratio"] == "sequence" else "tokens"
+    cells = on.any(-1) if level == "sequences" else on
+    pick = (lambda x: x[:, 0]) if level == "sequences" else (lambda x: x)
+    rd, Ad = pick(rd), pick(Ad)
+    low, high = (Ad < 0) & (rd < 1 - lo), (Ad > 0) & (rd > 1 + hi)
+    br[f"{level} clipped low"] += int((low & cells).sum())
+    br[f"{level} clipped high"] += int((high & cells).sum())
+    br[f"{level} past dual-clip's bound (A < 0, r > c)"] += int(((Ad < 0) & (rd > dc) & cells).sum()) if dc else 0
+    br[f"{level} unclipped, r != 1"] += int((~low & ~high & (Ad != 0) & ((rd - 1).abs() > 1e-6) & cells).sum())
+    a, b = min(lo, hi), max(lo, hi)
+    band = ((Ad > 0) & (rd > 1 + a) & (rd <= 1 + b)) | ((Ad < 0) & (rd < 1 - a) & (rd >= 1 - b))
+    br[f"{level} in the band between eps and eps_high"] += int((band & cells).sum()) if lo != hi else 0
+
+
+def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = None) -> set[str]:
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     req = set()
-    if several:
+    if several and (tb or {}).get("surrogate") == "cispo":
+        req |= {f"IS weight capped at 1 + eps_high, A {x} 0" for x in "<>"} | {"IS weight r inside the clip, != 1"}
+        req |= {"IS weight raised to 1 - eps"} if lo < 1 else set()
+    elif several and (tb or {}).get("surrogate") == "gmpo":
+        req |= {f"log r {x}" for x in ("past eps_high, A > 0 (clipped)", "below -eps_low, A < 0 (clipped)")}
+        req |= {"log r outside the clip on the side A keeps", "log r inside the clip, != 0"}
+    elif several and (tb or {}).get("surrogate") == "sapo":
+        req |= {"A > 0, r != 1 (gate at tau_pos)", "A < 0, r != 1 (gate at tau_neg)"}
+    elif several and (tb or {}).get("surrogate") != "gpg":
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()
         )
+        req |= {"past dual-clip's bound (A < 0, r > c)"} if getattr(s, "dual_clip", None) else set()
     if s.beta > 0 and s.kl_placement == "loss":
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:
@@ -164,6 +194,8 @@ def _group_advantages(
         else:
             scale = (float(r.std(unbiased=sample)) if s.scale_rewards == "group" else step_std) + s.std_eps
             A[idx] = c / scale if not scale <= 0 else 0.0
+    if tb["advantage"] == "gpg":  # GPG's alpha = B / (B - M), M the samples with no gradient (equal group, failed)
+        A = A * len(R) / max(int((valid & ~equal).sum()), 1)
     return A, equal
 
 
@@ -210,7 +242,7 @@ def _groups_textbook(
     br["rows with A > 0"], br["rows with A < 0"] = int(((A > 0) & rows).sum()), int(((A < 0) & rows).sum())
     per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
-    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward)
+    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward, tb)
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)

@@ -6,6 +6,13 @@ Per token t of output o (to maximise; aggregate is the engine's normalisation):
     GC  = g_t A_t 1[not clipped]  -  beta * dKL_t / dlogp_t
     clipped = (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low)
 
+Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", arXiv:1912.09729; verl's
+clip_ratio_c, OpenRLHF's dual_clip), setting dual_clip = c > 1: for A_t < 0 the per-token term is
+max(min(r_t A_t, clip(r_t) A_t), c A_t), so a very unlikely-made token's loss is bounded by -c A_t. Since c > 1,
+min(r A, clip(r) A) = r A < c A exactly where r > c, so there the bound binds and GC is 0:
+
+    clipped = ... or (A_t < 0 and r_t > c)
+
 Each part is one hook a variant overrides alone:
 
     token_advantages(batch)        A_t: GRPO's group-relative A_i, PPO's GAE
@@ -78,6 +85,8 @@ class ClippedOnPolicy(OnPolicy):
     """Whether the importance ratio is per token or per sequence (its clip fractions are counted at that level)."""
     metric_prefix: ClassVar[str] = "clipped"
     """Metrics are logged as PREFIX/clip_frac, PREFIX/kl, ..."""
+    epsilon_below_one: ClassVar[bool] = True
+    """Whether epsilon must be < 1; a rule whose lower clip 1 - epsilon <= 0 means no lower bound (CISPO) allows more."""
 
     @dataclass
     class Settings(OnPolicy.Settings):
@@ -99,6 +108,9 @@ class ClippedOnPolicy(OnPolicy):
         kl_clamp: Optional[float] = 20.0
         """|log(pi_ref/pi)| beyond this is clamped before exp, in the objective and GC alike (its gradient is 0 there),
         so rho never overflows; none clamps nothing (TRL's default)."""
+        dual_clip: Optional[float] = None
+        """Dual-clip's c > 1 (verl's clip_ratio_c, OpenRLHF's dual_clip): for A < 0 the term is max(clipped surrogate,
+        c A), no gradient where r > c; none is off (verl's default is 3.0, on; OpenRLHF's and TRL's is off)."""
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -106,11 +118,15 @@ class ClippedOnPolicy(OnPolicy):
         s = resolve_settings(cfg, cls).settings
         checks = [
             (s.beta >= 0, "beta must be >= 0"),
-            (0 < s.epsilon < 1, "epsilon must be in (0, 1)"),
+            (
+                0 < s.epsilon and (s.epsilon < 1 or not cls.epsilon_below_one),
+                "epsilon must be in (0, 1)" if cls.epsilon_below_one else "epsilon must be > 0",
+            ),
             (s.epsilon_high is None or s.epsilon_high > 0, "epsilon_high must be > 0"),
             (s.mu >= 1, "mu (inner epochs) must be >= 1"),
             (s.num_minibatches >= 1, "num_minibatches must be >= 1"),
             (s.kl_clamp is None or s.kl_clamp > 0, "kl_clamp must be > 0 or none"),
+            (s.dual_clip is None or s.dual_clip > 1, "dual_clip must be > 1 or none"),
             (s.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}"),
             (s.kl_placement in ("loss", "reward"), "kl_placement must be loss or reward"),
             (
@@ -156,9 +172,11 @@ class ClippedOnPolicy(OnPolicy):
         return s.epsilon, (s.epsilon_high if s.epsilon_high is not None else s.epsilon)
 
     def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        """Where min() picks the clipped branch, whose gradient is 0."""
+        """Where min() picks the clipped branch, or dual-clip's bound c A binds (A < 0, r > c): the gradient is 0."""
         lo, hi = self.clip_range()
-        return ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
+        out = ((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo))
+        c = self.settings.dual_clip
+        return out if c is None else out | ((adv < 0) & (ratio > c))
 
     def kl_in_loss(self, batch: Batch) -> bool:
         return self.settings.beta > 0 and self.settings.kl_placement == "loss" and batch.ref_logps is not None
@@ -209,6 +227,8 @@ class ClippedOnPolicy(OnPolicy):
         ratio = torch.exp(log_r)
         lo, hi = self.clip_range()
         per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+        if self.settings.dual_clip is not None:  # max(., c A) for A < 0 only
+            per_token = torch.where(adv < 0, torch.maximum(per_token, self.settings.dual_clip * adv), per_token)
         per_token = per_token * self.sampler_correction(batch, self._old(batch, logps))
         if self.kl_in_loss(batch):
             log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
@@ -246,6 +266,8 @@ class ClippedOnPolicy(OnPolicy):
                 f"{p}/clip_high_frac": float(high.sum()) / n,
             }
         out = {**super().metrics(batch, logps, coef), **clip, f"{p}/adv_abs_mean": float(adv.abs()[mask].sum()) / n}
+        if self.settings.dual_clip is not None:  # tokens (or a sequence ratio's tokens) where the bound c A binds
+            out[f"{p}/dual_clip_frac"] = float(((adv < 0) & (ratio > self.settings.dual_clip) & mask).sum()) / n
         if batch.ref_logps is not None:
             d = (batch.ref_logps - logps).double()  # float64 and expm1: k3 ~ d^2/2 vanishes in float32
             out[f"{p}/kl"] = float((torch.expm1(d) - d)[mask].sum()) / n  # mean k3 over the step's tokens

@@ -1,0 +1,99 @@
+"""The settings cases of gcf check (gcfamily/check/) that reach every branch of a rule: the sampler correction's, the
+temperature, simulated ranks, and those of on-policy groups (GRPO and the rules that share its batch)."""
+
+from __future__ import annotations
+
+from gcfamily.check.world import G, make
+from gcfamily.errors import GcfError
+from gcfamily.methods.base import Method
+
+
+def accepts(cls: type[Method], settings: dict) -> bool:
+    """Whether the method's validation takes these settings (a method may refuse one, in one sentence)."""
+    try:
+        make(cls, {"group_size": G, **settings})
+    except GcfError:
+        return False
+    return True
+
+
+TIS = {
+    mode: {"tis": mode, "tis_min": 0.5, "tis_max": 2.0}
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+}
+"""The sampler correction's cases (setting tis): each mode with both bounds, so that ratios fall past each."""
+
+
+TAU = 0.7
+"""A sampling temperature other than 1: the policy is pi at tau, log softmax(logits / tau), in the engine's chunked
+log-probs (whose backward carries the 1/tau), in pi_old and pi_ref, and in the textbook."""
+
+
+RANKS = "simulated_ranks"
+"""A case's key (not a setting; run_case takes it out): the step's rows split over this many simulated ranks, each a
+method of its own whose Services.all_sum sums over them (world.Collective); the gradient is one rank's."""
+
+
+def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
+    beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
+    # k3-importance-weighted where the method takes it (gspo refuses it: its ratio is per sequence), else plain k3
+    iw = accepts(cls, {"beta": beta, "kl_estimator": "k3-importance-weighted"})
+    excl = accepts(cls, {"zero_std": "exclude"})  # gpg refuses it: its alpha corrects for those groups already
+    batch = {"scale_rewards": "batch", "std": "sample"}  # the step's std is a sum over the ranks
+    dual = {"mu": 2, "beta": beta, "dual_clip": 3.0}  # where the method takes it (cispo has no bound to add)
+    both = {"mu": 2, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.2}  # a weight clipped below too (cispo, as verl)
+    return [
+        ("defaults", {}),
+        ("clip and KL", {"mu": 2, "beta": beta}),
+        (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
+        (
+            "minibatches, k1, batch std",
+            {
+                "num_minibatches": 2,
+                "beta": beta,
+                "kl_estimator": "k1",
+                "scale_rewards": "batch",
+                "std_eps": 1e-4,
+                "std": "population",
+            },
+        ),
+        ("batch sample std", {"scale_rewards": "batch", "std": "sample"}),
+        (
+            "k2 unclamped, no std, sum",
+            {
+                "mu": 2,
+                "beta": beta,
+                "kl_estimator": "k2",
+                "kl_clamp": None,
+                "scale_rewards": "none",
+                "loss_norm": "sum",
+            },
+        ),
+        (
+            f"{'k3-iw' if iw else 'k3'} clamp 0.5,{' zero_std exclude,' if excl else ''} token",
+            {
+                "mu": 2,
+                "beta": beta,
+                "kl_estimator": "k3-importance-weighted" if iw else "k3",
+                "kl_clamp": 0.5,
+                **({"zero_std": "exclude"} if excl else {}),
+                "loss_norm": "token",
+            },
+        ),
+        (
+            "KL in the reward, constant",
+            {
+                "mu": 2,
+                "beta": 0.02,
+                "kl_placement": "reward",
+                "kl_estimator": "k1",
+                "loss_norm": "constant",
+                "norm_constant": 3.0,
+            },
+        ),
+        ("two simulated ranks, batch std", {RANKS: 2, **(batch if accepts(cls, batch) else {})}),
+        ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
+        ("sampler correction sequence_mask", TIS["sequence_mask"]),
+        *([("dual-clip 3, clip and KL", dual)] if accepts(cls, dual) else []),
+        *([("clip both sides (eps 0.2, verl's), KL", both)] if not getattr(cls, "epsilon_below_one", True) else []),
+    ]
