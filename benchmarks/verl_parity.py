@@ -167,17 +167,31 @@ MAPPING: dict[str, Union[Check, str]] = {
         "gspo", f"{GSPO_SETS} loss_norm=sequence", {**GSPO_VERL, "loss_agg_mode": "seq-mean-token-mean"}
     ),
     "policy_loss.loss_mode=gspo, loss_agg_mode=token-mean": Check("gspo", f"{GSPO_SETS} loss_norm=token", GSPO_VERL),
-    "policy_loss.loss_mode=cispo": "CISPO's clipped, detached ratio weighing log pi is no gcfamily method (a cispo method is being added)",
-    "policy_loss.loss_mode=gpg": "GPG's plain -A log pi with its own advantage scaling is no gcfamily method (a gpg method is being added)",
-    "policy_loss.loss_mode=geo_mean": "GMPO's geometric mean of clipped token ratios per sequence is no gcfamily method (a gmpo method is being added)",
-    "policy_loss.loss_mode=sapo": "SAPO's smooth sigmoid gate in place of the clip is no gcfamily method (a sapo method is being added)",
+    "policy_loss.loss_mode=cispo": Check(
+        "cispo",
+        "mu=2 std_eps=1e-6 beta=0 epsilon=0.2 epsilon_high=0.28 loss_norm=token",
+        {"loss_mode": "cispo", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+    ),
+    "policy_loss.loss_mode=gpg": (
+        "gcfamily's gpg scales A = R - mean R by the paper's alpha = B / (samples with a gradient), verl's by B / (samples with a non-zero reward): checked against verl with --method gpg, its advantages differ by up to 0.37 on the check's case, so the row is the reason, not a match"
+    ),
+    "policy_loss.loss_mode=geo_mean": Check(
+        "gmpo",
+        "mu=2 std_eps=1e-6 beta=0 epsilon=0.2 epsilon_high=0.2 loss_norm=sequence",
+        {"loss_mode": "geo_mean", "loss_agg_mode": "seq-mean-token-mean"},
+    ),
+    "policy_loss.loss_mode=sapo": Check(
+        "sapo",
+        "mu=2 std_eps=1e-6 beta=0 loss_norm=sequence",
+        {"loss_mode": "sapo", "tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "seq-mean-token-mean"},
+    ),
     "policy_loss.loss_mode=clip_cov": "Clip-Cov detaches a random share of high-covariance tokens chosen per batch; gcfamily has no such rule",
     "policy_loss.loss_mode=kl_cov": "KL-Cov adds a KL penalty on a top-k share of high-covariance tokens; gcfamily has no such rule",
     "policy_loss.loss_mode=dppo_tv": "DPPO's binary total-variation trust region (a mask on |pi - pi_old|) is no gcfamily rule",
     "policy_loss.loss_mode=dppo_kl": "DPPO's binary KL trust region (a mask on the per-token KL to pi_old) is no gcfamily rule",
     "policy_loss.loss_mode=dro": "DRO's -A log pi + beta/2 (log pi/pi_old)^2 with no ratio is no gcfamily method",
     "policy_loss.loss_mode=bypass_mode": BYPASS,
-    "actor.clip_ratio_c (dual clip, default 3.0)": "dual-clip PPO (a lower bound -c A on tokens with A < 0) is no gcfamily setting (dual clip is being added); the control row shows the difference",
+    "actor.clip_ratio_c (dual clip, default 3.0)": Check("grpo", f"{GC} dual_clip=3", {"clip_ratio_c": 3.0}),
     # -- advantage estimators: AdvantageEstimator
     "algorithm.adv_estimator=grpo": Check("grpo", GC),
     "algorithm.adv_estimator=grpo, norm_adv_by_std_in_grpo=False": Check(
@@ -200,7 +214,9 @@ MAPPING: dict[str, Union[Check, str]] = {
     "algorithm.adv_estimator=remax": "ReMax subtracts the reward of a greedy rollout; gcfamily samples no greedy baseline",
     "algorithm.adv_estimator=opo": "OPO's length-weighted group baseline is no gcfamily advantage",
     "algorithm.adv_estimator=grpo_passk": "pass@k advantage (only the group's best sample gets it) is no gcfamily advantage",
-    "algorithm.adv_estimator=gpg": "GPG's advantage (group mean, scaled by the share of non-zero groups) is no gcfamily advantage (a gpg method is being added)",
+    "algorithm.adv_estimator=gpg": (
+        "gcfamily's gpg scales A = R - mean R by the paper's alpha = B / (samples with a gradient), verl's by B / (samples with a non-zero reward): checked against verl with --method gpg, its advantages differ by up to 0.37 on the check's case, so the row is the reason, not a match"
+    ),
     "algorithm.adv_estimator=optimal_token_baseline": "a per-token baseline weighted by the policy's gradient norms needs statistics gcfamily does not compute",
     "algorithm.adv_estimator=tir_optimal_token_baseline": "the multi-turn optimal token baseline needs statistics gcfamily does not compute",
     "algorithm.adv_estimator=gdpo": "GDPO normalises each reward function separately before summing; gcfamily normalises the weighted sum",

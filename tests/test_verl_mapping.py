@@ -26,7 +26,8 @@ def test_the_doc_table_is_the_mapping():
     assert len(rows) == len(parity.MAPPING) + len(parity.CONTROLS)
     # the rows a reader looks for first, and a refusal with its reason
     assert "| policy_loss.loss_mode=vanilla | `--method grpo --set" in table
-    assert "| policy_loss.loss_mode=cispo | not expressible | CISPO" in table
+    assert "| policy_loss.loss_mode=cispo | `--method cispo --set" in table
+    assert "| policy_loss.loss_mode=clip_cov | not expressible | Clip-Cov" in table
 
 
 def test_every_option_has_a_spelling_or_a_reason():
