@@ -160,7 +160,9 @@ OPTIONS: dict[str, Entry] = {
         _ppo(eps=(0.1, 0.3)),
     ),
     "--actor.dual_clip": Entry(
-        None, "dual-clip PPO (a negative-advantage token's loss capped at dual_clip * |A|) is no gcfamily setting"
+        GN + " dual_clip=3",
+        "dual-clip PPO: a negative-advantage token's loss capped at dual_clip * |A|, no gradient past it",
+        _ppo(dual_clip=3.0),
     ),
     "--actor.loss_agg_mode token-mean": Entry(GN, "one mean over the step's tokens", _ppo()),
     "--actor.loss_agg_mode seq-mean-token-mean": Entry(

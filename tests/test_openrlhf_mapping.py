@@ -23,7 +23,11 @@ def test_the_doc_table_is_the_dict() -> None:
     assert doc[start : doc.index("\n\n", start)] == parity.markdown_table()
     rows = parity.markdown_table().splitlines()[2:]
     assert len(rows) == len(parity.OPTIONS)
-    assert "| `--actor.dual_clip` | - | not expressible |" in parity.markdown_table()
+    assert (
+        "| `--actor.dual_clip` | `--method grpo --set mu=2 std_eps=1e-9 loss_norm=token beta=0 dual_clip=3` | checked |"
+        in (parity.markdown_table())
+    )
+    assert "| `--actor.entropy_coef` | - | not expressible |" in parity.markdown_table()
 
 
 def test_every_scoped_flag_has_a_row() -> None:
