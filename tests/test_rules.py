@@ -346,3 +346,13 @@ def test_sapo_two_steps(tmp_path):
     rows = two_steps(tmp_path, "sapo", num_minibatches=2)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("sapo/gate_slope_mean" in r and math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("name", ["sapo", "gpg"])
+@pytest.mark.parametrize("setting", ["epsilon=0.3", "epsilon_high=0.28"])
+def test_rules_without_a_clip_refuse_its_settings_in_one_sentence(gcf, tmp_path, name, setting):
+    """A clip range that does not enter the rule is refused, never silently ignored."""
+    code, out, err = gcf("run", "--method", name, "--model", "tiny", "--task", "arithmetic", "--max-steps", "1",
+                         "--output-dir", str(tmp_path / "run"), f"--set={setting}")  # fmt: skip
+    assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert f"{name} takes no epsilon or epsilon_high: " in err and err.strip().endswith("leave them unset.")

@@ -45,6 +45,11 @@ class GPG(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
+        unset = cls.Settings()
+        if (cfg.settings.epsilon, cfg.settings.epsilon_high) != (unset.epsilon, unset.epsilon_high):
+            raise GcfError(
+                f"{cls.name} takes no epsilon or epsilon_high: it has no importance ratio to clip; leave them unset."
+            )
         if cfg.settings.dual_clip is not None:
             raise GcfError(f"{cls.name} refuses dual_clip: it has no importance ratio to bound; leave dual_clip unset.")
         if cfg.settings.zero_std == "exclude":

@@ -50,6 +50,11 @@ class SAPO(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
+        unset = cls.Settings()
+        if (cfg.settings.epsilon, cfg.settings.epsilon_high) != (unset.epsilon, unset.epsilon_high):
+            raise GcfError(
+                f"{cls.name} takes no epsilon or epsilon_high: its gate replaces the clip; leave them unset."
+            )
         s = cfg.settings
         require([(s.tau_pos > 0, "tau_pos must be > 0"), (s.tau_neg > 0, "tau_neg must be > 0")])
         if s.dual_clip is not None:
