@@ -112,7 +112,7 @@ def policy_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple
         yield name, p.detach().to(dtype)
 
 
-def write_checkpoint(config: Any, weights: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+def write_checkpoint(config: Any, architecture: str, weights: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
     """The engine's starting checkpoint: config.json and model.safetensors, written directly. A model that transformers
     dequantized on load (a GGUF file) keeps a quantization entry in its config that save_pretrained refuses and vLLM
     would follow; its weights are plain tensors, so the entry is dropped. A tied output projection is written once."""
@@ -120,6 +120,8 @@ def write_checkpoint(config: Any, weights: Iterator[tuple[str, torch.Tensor]], f
 
     entries = config.to_dict()
     entries.pop("quantization_config", None)
+    if not entries.get("architectures"):  # a model built in code has none; vLLM picks its model class by it
+        entries["architectures"] = [architecture]
     (folder / "config.json").write_text(json.dumps(entries, indent=1, default=str))
     state, seen = {}, set()
     for name, w in weights:
@@ -202,7 +204,9 @@ class VllmBackend:
                     "ignore"
                 )  # the engine's lazy imports warn and print notices not the run's to show
                 base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-                write_checkpoint(base.config, policy_weights(self.model, self.options.dtype), Path(folder))
+                write_checkpoint(
+                    base.config, type(base).__name__, policy_weights(self.model, self.options.dtype), Path(folder)
+                )
                 self.tokenizer.save_pretrained(folder)
                 limit = context_length(base)
                 kw: dict[str, Any] = {} if self.cpu else {"gpu_memory_utilization": self.options.gpu_memory}
