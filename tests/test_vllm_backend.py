@@ -154,42 +154,25 @@ def test_the_rollout_is_laid_out_as_the_native_samplers(engine):
             assert c.endswith(stop) and stop not in c[:-1] and len(tok(c, add_special_tokens=False)["input_ids"]) == n
 
 
-@needs_vllm
-def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
+def vllm_grpo_run(tmp_path, **extra):
+    """`gcf run --method grpo` for 3 steps on a saved tied tiny model with rollout=vllm and a reward that likes
+    longer completions (so every step has a gradient); the CliRunner result."""
     tok = tiny_tokenizer()
     folder = tmp_path / "model"
     tied_model(tok).save_pretrained(folder)
     tok.save_pretrained(folder)
     (tmp_path / "r.py").write_text("def longer(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    args = ["run", "--method", "grpo", "--model", str(folder), "--task", "arithmetic", "--max-steps", "3",
+            "--reward", f"{tmp_path / 'r.py'}:longer", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    sets = {"rollout": "vllm", "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.5,
+            "eval_at_ends": "false", "lr": 1e-3, "progress": "false", **extra}  # fmt: skip
+    return CliRunner().invoke(main, [*args, *[f"--set={k}={v}" for k, v in sets.items()]])
+
+
+@needs_vllm
+def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
+    r = vllm_grpo_run(tmp_path, rollout_check_tol=1e-4, tis="token_truncate")
     out = tmp_path / "run"
-    args = [
-        "run",
-        "--method",
-        "grpo",
-        "--model",
-        str(folder),
-        "--task",
-        "arithmetic",
-        "--max-steps",
-        "3",
-        "--reward",
-        f"{tmp_path / 'r.py'}:longer",
-        "--output-dir",
-        str(out),
-    ]
-    sets = {
-        "rollout": "vllm",
-        "batch_size": 2,
-        "group_size": 4,
-        "max_new_tokens": 8,
-        "temperature": 1.5,
-        "eval_at_ends": "false",
-        "lr": 1e-3,
-        "rollout_check_tol": 1e-4,
-        "progress": "false",
-        "tis": "token_truncate",
-    }
-    r = CliRunner().invoke(main, [*args, *[f"--set={k}={v}" for k, v in sets.items()]])
     assert r.exit_code == 0, r.output
     assert (
         "note: rollout=vllm samples with the engine's own generator, seeded once from the run's seed, so a resumed run "
@@ -207,10 +190,6 @@ def test_grpo_trains_with_rollout_vllm_and_logs_the_push(tmp_path):
 
 @needs_vllm
 def test_a_run_whose_push_leaves_a_layer_behind_stops_with_the_sentence(tmp_path, monkeypatch):
-    tok = tiny_tokenizer()
-    folder = tmp_path / "model"
-    tied_model(tok).save_pretrained(folder)
-    tok.save_pretrained(folder)
     real, calls = vllm_engine.policy_weights, []
 
     def stale_pushes(m, dtype):  # the engine is built from every weight; each push then forgets one layer
@@ -218,36 +197,7 @@ def test_a_run_whose_push_leaves_a_layer_behind_stops_with_the_sentence(tmp_path
         return ((n, w) for n, w in real(m, dtype) if len(calls) == 1 or "layers.0.self_attn.o_proj" not in n)
 
     monkeypatch.setattr(vllm_engine, "policy_weights", stale_pushes)
-    (tmp_path / "r.py").write_text("def longer(completions, **kw):\n    return [float(len(c)) for c in completions]\n")
-    sets = {
-        "rollout": "vllm",
-        "batch_size": 2,
-        "group_size": 4,
-        "max_new_tokens": 8,
-        "temperature": 1.5,
-        "eval_at_ends": "false",
-        "lr": 1e-3,
-        "progress": "false",
-    }
-    r = CliRunner().invoke(
-        main,
-        [
-            "run",
-            "--method",
-            "grpo",
-            "--model",
-            str(folder),
-            "--task",
-            "arithmetic",
-            "--max-steps",
-            "3",
-            "--reward",
-            f"{tmp_path / 'r.py'}:longer",
-            "--output-dir",
-            str(tmp_path / "run"),
-            *[f"--set={k}={v}" for k, v in sets.items()],
-        ],
-    )
+    r = vllm_grpo_run(tmp_path)
     assert r.exit_code != 0
     assert r.output.startswith("note: rollout=vllm samples with the engine's own generator")
     assert re.search(
