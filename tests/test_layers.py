@@ -9,6 +9,7 @@ TYPE_CHECKING):
     data                        rows in, ids and batches out
     rollout, models             sampling; loading models, LoRA
     rewards                     reward functions and their workers
+    envs                        environments of multi-turn episodes and their worker
     tasks                       built-in tasks (their rewards are rewards)
     methods                     the Method API, Services, the registry, one module per family
     run                         the loop, the run folder, checkpoints, evaluation, distributed, logging
@@ -33,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gcfamily.data",),
     ("gcfamily.rollout", "gcfamily.models"),
     ("gcfamily.rewards",),
+    ("gcfamily.envs",),
     ("gcfamily.tasks",),
     ("gcfamily.methods",),
     ("gcfamily.run",),

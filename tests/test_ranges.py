@@ -46,6 +46,8 @@ RANGES = {
     "keep_last": ("int", 1, INF, False, False),
     "log_completions_every": ("int", 0, INF, False, False),
     "lora_r": ("int", 0, INF, False, False),
+    "max_turns": ("int", 1, INF, False, False),
+    "max_episode_tokens": ("int", 1, 2**20, False, False),  # or None: max_new_tokens * max_turns
     "max_time": ("float", 0, INF, False, True),
     "epochs": ("float", 0, INF, False, True),
     "norm_constant": ("float", 0, INF, True, True),
@@ -56,6 +58,7 @@ RANGES = {
     "temperature": ("float", 0, INF, True, True),
     "top_p": ("float", 0, 1, True, False),
     "reward_timeout": ("float", 0, INF, False, True),
+    "env_timeout": ("float", 0, INF, False, True),
     "eval_every_s": ("float", 0, INF, False, True),
     "lora_alpha": ("float", 0, INF, True, True),
     "lora_dropout": ("float", 0, 1, False, True),

@@ -34,6 +34,13 @@ RANKS = "simulated_ranks"
 method of its own whose Services.all_sum sums over them (world.Collective); the gradient is one rank's."""
 
 
+EPISODES = "multi_turn_episodes"
+"""A case's key (not a setting; run_case takes it out): the step's rows are multi-turn episodes, an environment's
+answer of one or two tokens inside the completion of two rows in three (attended, off the loss mask: context, not
+actions). The textbook sums and counts the policy's tokens only, so the check holds that the environment's tokens
+carry exactly zero gradient and stay out of every normaliser (tokens and lengths count the policy's tokens only)."""
+
+
 def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     beta = cls.Settings().beta or 0.1  # type: ignore[attr-defined]  # a method without the KL term by default gets one
     # k3-importance-weighted where the method takes it (gspo refuses it: its ratio is per sequence), else plain k3
@@ -92,6 +99,7 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
             },
         ),
         ("two simulated ranks, batch std", {RANKS: 2, **(batch if accepts(cls, batch) else {})}),
+        ("multi-turn episodes, clip and KL, token", {EPISODES: True, "mu": 2, "beta": beta, "loss_norm": "token"}),
         ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
         ("sampler correction sequence_mask", TIS["sequence_mask"]),
         *([("dual-clip 3, clip and KL", dual)] if accepts(cls, dual) else []),

@@ -28,7 +28,7 @@ from gcfamily.check.builders import (
     build_process,
     build_unpaired,
 )
-from gcfamily.check.cases import RANKS, TAU, TIS, accepts, group_cases
+from gcfamily.check.cases import EPISODES, RANKS, TAU, TIS, accepts, group_cases
 from gcfamily.check.world import CLIP_, DPO_, GRPO_, PPO_, RB_, M, _definer, _qual
 from gcfamily.config import FIELDS
 from gcfamily.errors import GcfError
@@ -95,7 +95,7 @@ FAMILIES: dict[str, Family] = {
     M + "online_dpo.OnlineDPO": Family(
         "online pairs",
         build_online_pairs,
-        lambda c: [("defaults", {}), ("beta 0.5", {"beta": 0.5})],
+        lambda c: [("defaults", {}), ("beta 0.5", {"beta": 0.5}), ("multi-turn episodes", {EPISODES: True})],
         "the pair loss on each prompt's best and worst valid sample; equal prompts form none",
         {"prepare": {M + "online_dpo.OnlineDPO": ""}, **PAIR_HOOKS},
     ),
@@ -130,6 +130,7 @@ FAMILIES: dict[str, Family] = {
             ("sampler correction token_mask, clip and KL", {**TIS["token_mask"], "mu": 2}),
             ("sampler correction sequence_truncate", TIS["sequence_truncate"]),
             ("dual-clip 3, clip and KL", {"mu": 2, "dual_clip": 3.0}),
+            ("multi-turn episodes, GAE over the policy's tokens", {EPISODES: True, "mu": 2, "gamma": 0.9, "lam": 0.8}),
         ],
         SURROGATE + "; A = GAE on the critic's values, whitened unless whiten=false",
         {"prepare": {PPO_: ""}, "token_rewards": {PPO_: ""}, "token_advantages": {PPO_: ""}, **CLIP_HOOKS},
@@ -169,6 +170,7 @@ FAMILIES: dict[str, Family] = {
             ),
             ("minibatches, k1, sum", {"num_minibatches": 2, "beta": 0.04, "kl_estimator": "k1", "loss_norm": "sum"}),
             ("sampler correction token_mask, clip", {**TIS["token_mask"], "mu": 2}),
+            ("multi-turn episodes, clip and KL", {EPISODES: True, "mu": 2, "beta": 0.04}),
         ],
         SURROGATE + "; A_t = sum of the group-normalised step rewards ending at or after t",
         {
@@ -186,6 +188,7 @@ FAMILIES: dict[str, Family] = {
         lambda c: [
             ("defaults", {}),
             ("threshold 0.2, sequence", {"reward_threshold": 0.2, "loss_norm": "sequence"}),
+            ("multi-turn episodes, token", {EPISODES: True, "loss_norm": "token"}),
             *[(f"sampler correction {m}", TIS[m]) for m in ("token_truncate", "sequence_mask") if accepts(c, TIS[m])],
         ],
         "the log-likelihood of the valid samples whose reward clears the threshold",
@@ -302,7 +305,8 @@ def cases(cls: type[Method]) -> list[tuple[str, dict]]:
         raise GcfError(unsupported(cls))
     own = {f.name for f in fields(cls.Settings)}
     return [
-        (label, {k: v for k, v in s.items() if k in own or k in FIELDS or k == RANKS}) for label, s in fam.cases(cls)
+        (label, {k: v for k, v in s.items() if k in own or k in FIELDS or k in (RANKS, EPISODES)})
+        for label, s in fam.cases(cls)
     ]
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gcfamily.check.families import RANKS, family_of, own_rule, textbook_choices, textbook_for, unsupported
+from gcfamily.check.families import EPISODES, RANKS, family_of, own_rule, textbook_choices, textbook_for, unsupported
 from gcfamily.check.outcome import Outcome, _diff, _nonfinite, _worse
 from gcfamily.check.second import SecondCheck, policyless_check
 from gcfamily.check.world import TOL_A, TOL_B, G, N, V, World, make, micro_batches
@@ -38,9 +38,12 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     fam = family_of(cls)
     assert fam is not None
     gen = torch.Generator().manual_seed(seed)
-    world = World(N, gen)
+    world = World(N, gen, episodes=settings.get(EPISODES, False))
+    if settings.get(EPISODES):
+        out.branches["environment tokens inside completions"] += int((world.env_mask.sum(-1) > 0).sum())
+        out.required.add("environment tokens inside completions")
     ranks = settings.get(RANKS, 1)
-    settings = {k: v for k, v in settings.items() if k != RANKS}
+    settings = {k: v for k, v in settings.items() if k not in (RANKS, EPISODES)}
     built = fam.build(cls, settings, world, gen, tb, seed, **({"ranks": ranks} if ranks > 1 else {}))
     m = built.method
     tau, tau_m = built.tau, m.logprob_temperature()  # the textbook's pi, and the temperature of the engine's log-probs
@@ -128,6 +131,12 @@ def check_once(cls: type[Method], settings: dict, seed: int, out: Outcome, tb: d
     closed = torch.zeros_like(world.logits).index_add_(0, ids, -(gc * w / Z)[..., None] * (onehot - soft) / tau)
     source = "textbook" if built.textbook is not None and out.textbook else "own objective"
     _diff(f"(b) d loss/d logits vs {source} GC * w/Z * (onehot - softmax)", X.grad.double(), closed, TOL_B, out, seed)
+    env = world.env_mask.bool()  # multi-turn episodes: an environment's tokens are context, never actions
+    if env.any():
+        leak = float(X.grad[env].abs().max())
+        out.diffs["(c) d loss/d logits on the environment's tokens (exactly 0)"] = (leak, 0.0)
+        if leak != 0.0:
+            out.errors.append(f"(c) an environment token has gradient {leak:.3g}; it is context and must carry none")
     # the same backward through a final-logit soft-cap c * tanh(z / c) (Gemma 2), against autograd of that formula
     Xc = world.logits.float().requires_grad_(True)
     Xr = world.logits.double().requires_grad_(True)
@@ -201,7 +210,7 @@ def run_case(cls: type[Method], label: str, settings: dict, seeds: tuple[int, ..
     kind, why = own_rule(cls)
     out.rule = why if kind in ("coefficient", "objective") else ""
     try:
-        make(cls, {"group_size": G, **{k: v for k, v in settings.items() if k != RANKS}})
+        make(cls, {"group_size": G, **{k: v for k, v in settings.items() if k not in (RANKS, EPISODES)}})
     except GcfError as e:
         out.refused = str(e)
         return out

@@ -48,13 +48,21 @@ class World:
     pi_ref = pi * exp(ref_offset), the sampler's pi_old / exp(sample_offset) (check/sampler.py), and a critic
     V(token, position)."""
 
-    def __init__(self, n: int, gen: torch.Generator) -> None:
+    def __init__(self, n: int, gen: torch.Generator, episodes: bool = False) -> None:
         pos = torch.arange(L)[None]
         start = torch.randint(1, 3, (n, 1), generator=gen)  # a prompt of 1-2 tokens
         end = start + torch.randint(4, L - 1, (n, 1), generator=gen)  # a completion of 4-6, right padding
         self.tokens = torch.randint(0, V, (n, L), generator=gen)  # [n, L]
         self.attention_mask = (pos < end).long()  # [n, L]
         self.loss_mask = ((pos >= start) & (pos < end)).long()  # [n, L]
+        self.env_mask = torch.zeros(n, L, dtype=torch.long)  # [n, L] an environment's tokens inside a completion
+        if episodes:  # two rows in three: a policy turn, an answer of 1-2 tokens, then the policy's next turn
+            width = torch.randint(1, 3, (n,), generator=gen)
+            for i in range(n):
+                if i % 3 != 2:
+                    a = int(start[i]) + 1 + i % 2  # after one or two policy tokens, leaving at least one after it
+                    self.env_mask[i, a : min(a + int(width[i]), int(end[i]) - 1)] = 1
+            self.loss_mask = self.loss_mask * (1 - self.env_mask)
         self.logits = 1.5 * torch.randn(n, L, V, generator=gen, dtype=torch.float64)  # [n, L, V]
         self.log_ratio = torch.zeros(n, L, dtype=torch.float64)  # log pi - log pi_old, set by a builder
         self.ref_offset = 0.5 * torch.randn(n, L, generator=gen, dtype=torch.float64)  # log pi_ref - log pi

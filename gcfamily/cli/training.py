@@ -33,6 +33,10 @@ from gcfamily.errors import GcfError
     help="Reward: built-in name, module:function or file.py:function; repeat for several (weights: --set reward_weights=[1,0.5]).",
 )
 @click.option("--reward-model", help="Folder of a trained reward model.")
+@click.option(
+    "--env",
+    help="Environment for multi-turn episodes: calculator, guess, reasoning-gym, module:Class or file.py:Class.",
+)
 @click.option("--seed", type=int)
 @click.option(
     "--resume",

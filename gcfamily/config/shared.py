@@ -171,6 +171,20 @@ class Config(DataSettings):
     """Seconds one call of a module:function or file.py:function reward may take; past it, all the call's samples fail (0 = no limit)."""
     reward_model: Optional[str] = None
     """Folder of a trained reward model to score completions with."""
+    env: Optional[str] = None
+    """On-policy methods: the environment each sample is an episode with (docs/environments.md): a built-in name
+    (calculator, guess, reasoning-gym), module:Class or path/file.py:Class, run in a worker process; none: one turn."""
+    env_options: dict = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor, besides the row, e.g. {max_value: 100}."""
+    env_timeout: float = setting(10.0, real(0), ">= 0 seconds and finite (0 = no limit)")
+    """Seconds one environment call on one episode may take; past it that episode fails (0 = no limit)."""
+    max_turns: int = setting(4, whole(1), ">= 1")
+    """With an environment: the most policy turns an episode takes."""
+    max_episode_tokens: Optional[int] = setting(
+        None, whole(1, MAX_SEQUENCE_TOKENS), f"in [1, {MAX_SEQUENCE_TOKENS}] tokens"
+    )
+    """With an environment: the most tokens after the prompt (policy turns and environment answers together); none:
+    max_new_tokens * max_turns."""
 
     # --- logging, evaluation and checkpoints
     log_every: int = setting(1, whole(1), ">= 1")

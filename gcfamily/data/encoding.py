@@ -49,6 +49,7 @@ class Formatter:
         system_prompt: Optional[str] = None,
         assistant_only_loss: bool = True,
         chat_template: Optional[str] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> None:
         if chat_format not in CHAT_FORMATS:
             raise GcfError(f"chat_format must be auto, chat or raw (got {chat_format!r}).")
@@ -68,6 +69,7 @@ class Formatter:
                 raise GcfError(f"chat_template {chat_template!r} is neither an existing file nor a Jinja template.")
             tokenizer.chat_template = text
         self.eos = tokenizer.eos_token_id
+        self.tools = tools  # an environment's tool schemas, for templates that render tools (tools=...)
 
     @property
     def has_template(self) -> bool:
@@ -91,11 +93,12 @@ class Formatter:
         return "chat" if self.uses_chat(conversational) else "raw"
 
     # -- pieces
-    def _render(self, messages: Messages, generation_prompt: bool) -> list[int]:
+    def _render(self, messages: Messages, generation_prompt: bool, tokenize: bool = True) -> Any:
+        extra = {"tools": self.tools} if self.tools else {}
         try:
             with within(RENDER_S):
                 ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=generation_prompt, tokenize=True
+                    messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **extra
                 )
         except Overtime as e:
             fix = (
@@ -107,6 +110,8 @@ class Formatter:
             ) from e
         except Exception as e:  # jinja's TemplateError, the sandbox's SecurityError, a template's raise_exception
             raise _template_error(e, self.template_given) from e
+        if not tokenize:
+            return ids
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -146,6 +151,30 @@ class Formatter:
                 "completion's tokens cannot be told apart exactly; use chat_format=raw or a chat_template that keeps earlier turns."
             )
         return self._end_at_eos(full[len(p) :])
+
+    def observation_ids(self, prompt: Text, observation: str, role: str, after_eos: bool) -> list[int]:
+        """The tokens between a policy turn's last sampled token and the next turn's first: in chat mode, what the
+        template writes after an assistant turn, an `role` message holding `observation`, and the generation prompt
+        (the turn's end-of-turn token left out where the policy sampled it: `after_eos`); in raw mode the observation
+        as it is. The policy's own tokens are never re-tokenised: an episode trains on exactly what was sampled."""
+        if not self.uses_chat(isinstance(prompt, list)):
+            return self._raw(observation, False)
+        mark = "\u27e6gcf-turn\u27e7"  # stands for the policy's turn, whose tokens are already in the episode
+        msgs = self._with_system(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])
+        text = self._render(
+            [*msgs, {"role": "assistant", "content": mark}, {"role": role, "content": observation}], True, False
+        )
+        at = text.rfind(mark)
+        if at < 0 or observation not in text[at:]:
+            raise GcfError(
+                f"The chat template does not render a '{role}' message after an assistant turn, so an environment's answer "
+                "cannot be placed; pass a chat_template that renders that role, or an environment whose role it renders."
+            )
+        tail = text[at + len(mark) :]
+        eos_text = self.tokenizer.eos_token or ""
+        if after_eos and eos_text and tail.startswith(eos_text):
+            tail = tail[len(eos_text) :]
+        return self._raw(tail, False)
 
     def pair(self, prompt: Text, completion: Text, i: int = 0) -> tuple[list[int], list[int]]:
         return self.prompt_ids(prompt), self.completion_ids(prompt, completion, i)

@@ -62,6 +62,9 @@ class Method:
     """Rows that must stay in one micro-batch (2 for a preference pair)."""
     data_kind: str = ""
     """What the method reads from a dataset (formats.KINDS): demonstrations, prompts, pairs or labelled; "" = none."""
+    runs_episodes: bool = False
+    """True for a method whose data source samples through methods/samples.py, so that --env makes each sample an
+    episode (the on-policy methods); a method that trains on data it does not sample refuses --env."""
     trains_policy: bool = True
     """False for a method that trains only a model of its own (the reward model): the trainer then
     runs no policy log-probs or backward, only `auxiliary_step`, and saves via `save_final`."""

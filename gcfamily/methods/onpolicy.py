@@ -47,6 +47,7 @@ class OnPolicy(Method):
 
     data_source = "the policy's own samples: G completions per prompt, scored by the reward"
     data_kind = "prompts"
+    runs_episodes = True
 
     @dataclass
     class Settings(MethodSettings):
@@ -138,7 +139,11 @@ class OnPolicy(Method):
             prompt_index=ro.prompt_index.cpu(),  # [N]
             completions=ro.completions,
         )
-        if self.reads_steps:  # each step's reward on the token holding its last character: [N, L] each
+        if (
+            self.reads_steps and got.episodes is not None
+        ):  # each turn's step reward on its last token, the outcome on the last
+            batch.step_rewards, batch.step_mask = episode_steps(got.episodes, scored, batch.loss_mask)
+        elif self.reads_steps:  # each step's reward on the token holding its last character: [N, L] each
             batch.step_rewards, batch.step_mask, unplaced = place_steps(
                 services.tokenizer, scored, ids, ro.completions, batch.loss_mask
             )
@@ -157,6 +162,7 @@ class OnPolicy(Method):
             "completion/length_mean": float(lengths.mean()),
             "completion/truncated_frac": float(ro.truncated.float().mean()),
             **ro.stats,  # the rollout backend's own figures (rollout=vllm: the weight push's seconds and probe gap)
+            **(got.episodes.stats if got.episodes is not None else {}),  # turns, environment tokens, how episodes ended
             GENERATED: float(lengths.mean())
             * len(lengths),  # as the trainer counted it: mean length times rows sampled
         }
@@ -168,6 +174,7 @@ class OnPolicy(Method):
                     "prompt": prompts[i],
                     "completion": ro.completions[i],
                     "reward": float(rewards[i]) if valid[i] else None,
+                    **({"turns": got.episodes.episodes[i].turns} if got.episodes is not None else {}),
                 }
                 for i in range(0, min(len(prompts), 8 * G), G)
             ],
@@ -318,6 +325,23 @@ def place_steps(
         if unplaced[i]:
             rewards[i], mask[i] = 0.0, False
     return rewards, mask, unplaced
+
+
+def episode_steps(episodes: Any, scored: Any, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """step_rewards and step_mask [N, L] of episodes: each turn's step reward on that turn's last policy token, and the
+    episode's outcome (its final reward) on its last policy token, so that the steps sum to the episode's reward."""
+    N, L = loss_mask.shape
+    rewards, mask = torch.zeros(N, L), torch.zeros(N, L, dtype=torch.bool)
+    for i, ep in enumerate(episodes.episodes):
+        positions = loss_mask[i].nonzero().flatten().tolist()  # the policy's tokens in the row
+        if not positions or not bool(scored.valid[i]):
+            continue
+        start = positions[0]  # the episode's first token (a policy turn opens every episode)
+        outcome = float(scored.rewards[i]) - sum(score for _, score in ep.steps)
+        for at, score in [*ep.steps, (positions[-1] - start, outcome)]:
+            rewards[i, start + at] += score
+            mask[i, start + at] = True
+    return rewards, mask
 
 
 def masked_group_stats(

@@ -4,14 +4,22 @@ method's `data`, the pools of offline RFT and of DPO on own samples).
     samples = sample_scored(services, prompt_ids, rows, G, sampling, reward)
     # samples.rollout: from the run's rollout backend (Services.generate), prompt i's G samples at rows i*G ..
     # samples.scores:  the reward of each sample (a failed one has valid False), scored with the rows' other columns
+
+With an environment (Services.envs, the run's --env) each sample is an episode (methods/episodes.py): its reward is
+the environment's final reward, or where it gives none the run's reward on the last policy turn, plus the sum of its
+step rewards; an episode whose environment failed is invalid (no gradient, out of the normaliser, counted).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import torch
+
+from gcfamily.errors import GcfError
+from gcfamily.methods.episodes import Episodes, run_episodes
 from gcfamily.methods.services import Services
 from gcfamily.rewards import Scores, as_rewards
 from gcfamily.rollout import Rollout, SamplingSettings
@@ -29,6 +37,8 @@ class Samples:
     scores: Scores
     reward_s: float
     """Seconds the reward took."""
+    episodes: Optional[Episodes] = None
+    """The episodes, where an environment ran them (their transcripts, step rewards and figures)."""
 
 
 def sample_scored(
@@ -41,6 +51,8 @@ def sample_scored(
 ) -> Samples:
     """G samples of each prompt from the run's rollout backend, scored by `reward` (a reward function, several, or a
     Rewards) with each row's other columns as keyword arguments; a stop request abandons a running user reward."""
+    if services.envs is not None:
+        return episodes_scored(services, prompt_ids, rows, G, sampling, reward)
     ro = services.generate(prompt_ids, G, sampling)
     # row n of the rollout belongs to prompt n // G: repeat the prompts and their columns G times
     prompts = [r["prompt"] for r in rows for _ in range(G)]
@@ -49,3 +61,71 @@ def sample_scored(
     t0 = time.perf_counter()
     scores = as_rewards(reward).score(prompts, ro.completions, ids, columns, should_stop=services.stop_requested)
     return Samples(ro, prompts, ids, scores, time.perf_counter() - t0)
+
+
+def episodes_scored(
+    services: Services,
+    prompt_ids: list[list[int]],
+    rows: list[dict[str, Any]],
+    G: int,
+    sampling: SamplingSettings,
+    reward: Any,
+) -> Samples:
+    """G episodes of each prompt with the run's environments, scored (module docstring)."""
+    tok = services.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eps = run_episodes(
+        services.generate,
+        services.formatter,
+        services.envs,
+        prompt_ids,
+        rows,
+        G,
+        sampling,
+        services.episode_limits,
+        services.stop_requested,
+        pad,
+    )
+    ro, N = eps.rollout, len(eps.episodes)
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
+    ids = [ep.last_ids for ep in eps.episodes]
+    rewards, valid = torch.zeros(N), torch.ones(N, dtype=torch.bool)  # [N], [N]
+    errors: dict[int, str] = {k: ep.error for k, ep in enumerate(eps.episodes) if ep.error is not None}
+    failed_by = {k: f"env:{services.envs.name}" for k in errors}
+    per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    need = [k for k in range(N) if k not in errors and eps.finals[k] is None]  # the run's reward scores these
+    t0 = time.perf_counter()
+    if need:
+        sub = as_rewards(reward).score(
+            [prompts[k] for k in need],
+            [ro.completions[k] for k in need],
+            [ids[k] for k in need],
+            {c: [v[k] for k in need] for c, v in columns.items()},
+            should_stop=services.stop_requested,
+        )
+        if sub.step_rewards:
+            raise GcfError(
+                f"reward '{sub.step_rewards[0]}' scores steps, but with an environment the step rewards are the "
+                "environment's (step() returns them); return one number per episode from the reward."
+            )
+        at = torch.tensor(need)
+        for name, (r, ok) in sub.per_reward.items():
+            full_r, full_ok = torch.zeros(N), torch.zeros(N, dtype=torch.bool)
+            full_r[at], full_ok[at] = r.float(), ok
+            per_reward[name] = (full_r, full_ok)
+        rewards[at] = sub.rewards.float()
+        bad = iter(zip(sub.errors, sub.failed_by))
+        for j, k in enumerate(need):
+            if not bool(sub.valid[j]):
+                errors[k], failed_by[k] = next(bad)
+    for k, final in enumerate(eps.finals):
+        if final is not None and k not in errors:
+            rewards[k] = final
+    for k, ep in enumerate(eps.episodes):
+        rewards[k] += sum(score for _, score in ep.steps)
+    for k in errors:
+        valid[k], rewards[k] = False, 0.0
+    order = sorted(errors)
+    scores = Scores(rewards, valid, [errors[k] for k in order], per_reward, [failed_by[k] for k in order])
+    return Samples(ro, prompts, ids, scores, time.perf_counter() - t0, eps)

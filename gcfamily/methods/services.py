@@ -18,6 +18,7 @@ from torch import nn
 
 from gcfamily.core.batch import Batch
 from gcfamily.core.engine import grads_finite
+from gcfamily.methods.episodes import EpisodeLimits
 from gcfamily.rollout import Rollout, SamplingSettings
 
 
@@ -37,6 +38,10 @@ class Services(Protocol):
     """The built-in task, or None when the run trains on a dataset."""
     reward_functions: Optional[list]
     """Reward functions passed from Python (gcfamily.train(reward=fn)); None: the settings name the rewards."""
+    envs: Any
+    """The run's environments (gcfamily/envs/worker.py: every sample an episode), or None: one turn per sample."""
+    episode_limits: EpisodeLimits
+    """How long an episode may run (max_turns, max_episode_tokens, the model's context)."""
     rank: int
     """This process's index among world_size (0 in one process)."""
     world_size: int
@@ -109,6 +114,8 @@ class LocalServices:
     formatter: Any = None
     task: Any = None
     reward_functions: Optional[list] = None
+    envs: Any = None
+    episode_limits = EpisodeLimits()
     rank = 0
     world_size = 1
     is_main = True

@@ -42,16 +42,17 @@ def shorten(text: str, limit: int = 200) -> str:
 # --------------------------------------------------------------------------- loading user code
 
 
-def _import_file(path: Path, loaded: dict[str, Any] | None = None) -> Any:
+def _import_file(path: Path, loaded: dict[str, Any] | None = None, what: str = "reward") -> Any:
     """Import a .py file as a module under a unique name, so two files called rewards.py do not clash.
 
     With ``loaded`` (the worker's), a file already imported there is not imported again: two rewards
     from one file share one module and its state, as two functions of an installed module do.
     """
     if not path.is_file():
-        raise GcfError(f"reward file '{path}' does not exist; give an existing .py file as path/file.py:function.")
+        attr = "function" if what == "reward" else "Class"
+        raise GcfError(f"{what} file '{path}' does not exist; give an existing .py file as path/file.py:{attr}.")
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    name = f"gcf_reward_{path.stem}_{digest}"
+    name = f"gcf_{what}_{path.stem}_{digest}"
     if loaded is not None and name in loaded:
         return loaded[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -62,7 +63,7 @@ def _import_file(path: Path, loaded: dict[str, Any] | None = None) -> Any:
     except (Exception, SystemExit) as err:  # a file that calls sys.exit() at import is as broken as one that raises
         del sys.modules[name]
         why = shorten(f"{type(err).__name__}: {err}")
-        raise GcfError(f"reward file '{path}' failed to import ({why}); fix the file.") from None
+        raise GcfError(f"{what} file '{path}' failed to import ({why}); fix the file.") from None
     if loaded is not None:
         loaded[name] = module
     return module

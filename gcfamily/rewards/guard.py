@@ -97,7 +97,14 @@ def _answers(reply: tuple, n: int) -> bool:
 
 
 class RewardWorker:
-    """A child process that loads `specs` (module:function, file.py:function) and calls them on request."""
+    """A child process that loads `specs` (module:function, file.py:function) and calls them on request.
+
+    The environment worker (gcfamily/envs/worker.py) is this process with another served file and load message:
+    `served` is the file whose serve(fd, parent) the process runs, `what` and `timeout_name` name it in errors."""
+
+    served: str = calling.__file__
+    what: str = "reward"
+    timeout_name: str = "reward_timeout"
 
     def __init__(self, specs: Sequence[str], timeout: float = 0.0) -> None:
         self.specs = list(specs)
@@ -108,7 +115,12 @@ class RewardWorker:
         self.output: Any = None  # the unnamed file the process's stdout and stderr go to
         self._finalizer: Any = None
         self.starts = 0  # how many processes this worker has run (1 + restarts after a crash or timeout)
+        self.loaded: tuple = ()  # the worker's "ready" reply
         self.start()
+
+    def load_message(self) -> tuple:
+        """What the process is asked to load first."""
+        return ("load", self.specs)
 
     # -- the process -----------------------------------------------------------------
     def start(self, should_stop: Optional[Callable[[], bool]] = None) -> bool:
@@ -116,8 +128,8 @@ class RewardWorker:
         not finish in time, is the user's one-sentence error. False when a stop was asked for first (nothing loaded)."""
         mine, theirs = Pipe()
         fd = theirs.fileno()
-        args = [sys.executable, "-c", _BOOT, str(fd), str(os.getpid()), json.dumps(sys.path), calling.__file__]
-        self.output = tempfile.TemporaryFile(prefix="gcf-reward-")  # noqa: SIM115 (closed by _shutdown, with the process)
+        args = [sys.executable, "-c", _BOOT, str(fd), str(os.getpid()), json.dumps(sys.path), self.served]
+        self.output = tempfile.TemporaryFile(prefix=f"gcf-{self.what}-")  # noqa: SIM115 (closed by _shutdown, with the process)
         self.proc = subprocess.Popen(
             args,
             pass_fds=(fd,),
@@ -132,9 +144,10 @@ class RewardWorker:
         self.starts += 1
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.output)
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
-        reply = self._send(("load", self.specs), deadline, should_stop)
+        reply = self._send(self.load_message(), deadline, should_stop)
         names = ", ".join(self.specs)
         if reply[0] == "ready":
+            self.loaded = reply
             return True
         if reply[0] == "stopping":
             self._kill()
@@ -142,8 +155,8 @@ class RewardWorker:
         if reply[0] == "timeout":
             self._kill()
             raise GcfError(
-                f"importing the reward {names} did not finish within reward_timeout={self.timeout:g} s; "
-                "fix what its module does at import (or raise reward_timeout)."
+                f"importing the {self.what} {names} did not finish within {self.timeout_name}={self.timeout:g} s; "
+                f"fix what its module does at import (or raise {self.timeout_name})."
             )
         printed = _last_line(self.output) if reply[0] != "gcf_error" else ""
         self.close()
@@ -152,7 +165,7 @@ class RewardWorker:
         # the process ended while importing the rewards
         said = f"; its last output: {printed}" if printed else ""
         raise GcfError(
-            f"the reward worker process ended while importing {names} ({reply[1]}{said}); fix the reward module."
+            f"the {self.what} worker process ended while importing {names} ({reply[1]}{said}); fix the {self.what} module."
         )
 
     def close(self) -> None:
@@ -179,15 +192,18 @@ class RewardWorker:
                     code: Any = self.proc.wait(timeout=1)
                 except subprocess.TimeoutExpired:
                     code = "none yet"
-                return ("lost", f"ended the reward worker process with exit code {code} (os._exit, a crash or a kill)")
+                return (
+                    "lost",
+                    f"ended the {self.what} worker process with exit code {code} (os._exit, a crash or a kill)",
+                )
             except wire.Garbled as e:  # the reward wrote into the worker's pipe
-                return ("lost", f"wrote into the reward worker's pipe to the trainer ({e})")
+                return ("lost", f"wrote into the {self.what} worker's pipe to the trainer ({e})")
             if isinstance(reply, tuple) and reply and (reply[0] in ("ready", "ok") or _said(reply)):
                 return reply
             if reply is not None:
-                return ("lost", "wrote into the reward worker's pipe to the trainer (a message that is no reply)")
+                return ("lost", f"wrote into the {self.what} worker's pipe to the trainer (a message that is no reply)")
             if deadline is not None and time.monotonic() > deadline:
-                return ("timeout", f"did not return within reward_timeout={self.timeout:g} s")
+                return ("timeout", f"did not return within {self.timeout_name}={self.timeout:g} s")
             if should_stop is not None and should_stop():
                 return ("stopping", "was abandoned because the run is stopping")
 
@@ -196,7 +212,7 @@ class RewardWorker:
         assert self.wire is not None
         while not self.wire.send(message, POLL_S if deadline is None else max(0.0, deadline - time.monotonic())):
             if deadline is not None and time.monotonic() > deadline:
-                return ("timeout", f"did not return within reward_timeout={self.timeout:g} s")
+                return ("timeout", f"did not return within {self.timeout_name}={self.timeout:g} s")
             if should_stop is not None and should_stop():
                 return ("stopping", "was abandoned because the run is stopping")
         return self._receive(deadline, should_stop)

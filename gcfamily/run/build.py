@@ -60,11 +60,29 @@ def choose_threads(cfg: Config, dist: DistEnv | None) -> threads.Threads:
     return choice
 
 
+def environments(cfg: Config, method_cls: type[Method], given: Any) -> Any:
+    """The run's environments (cfg.env, or `given`, an Environment class from Python), started now; None without one.
+    A method that trains on data it does not sample refuses them in one sentence."""
+    env = given if given is not None else cfg.env
+    if env is None:
+        return None
+    if not method_cls.runs_episodes:
+        raise GcfError(
+            f"env={cfg.env or getattr(env, '__name__', env)} makes each of the policy's samples an episode, but "
+            f"{method_cls.name or cfg.method} trains on data it does not sample now; use an on-policy method (grpo, rft, "
+            "ppo, online-dpo, ...)."
+        )
+    from gcfamily.envs.worker import open_envs
+
+    return open_envs(env, cfg.env_options, cfg.env_timeout)
+
+
 def build_policy(
-    cfg: Config, model: Any, prec: precision.Precision, device: torch.device, say: Any = None
+    cfg: Config, model: Any, prec: precision.Precision, device: torch.device, say: Any = None, envs: Any = None
 ) -> tuple[torch.nn.Module, Any, Formatter]:
     """The policy in the master dtype on `device` (cfg.model loaded, or a (model, tokenizer) pair from Python adopted),
-    its tokenizer and its formatter; refused past its context; with LoRA adapters when asked. `say`: where loading (and
+    its tokenizer and its formatter (an environment's instructions as the system prompt where none is set, its tools
+    for templates that render them); refused past its context; with LoRA adapters when asked. `say`: where loading (and
     a first use's conversion) tells what it does (console.teller), None for silence."""
     dtype = prec.master  # what every model of the run is loaded in
     if model is not None:
@@ -73,7 +91,9 @@ def build_policy(
         policy, tokenizer = adopt_model(model, dtype, device, cfg.trust_remote_code)
     else:
         policy, tokenizer = load_model(cfg.model, dtype, device, cfg.trust_remote_code, cfg.seed, say)
-    formatter = Formatter(tokenizer, cfg.chat_format, cfg.system_prompt, cfg.assistant_only_loss, cfg.chat_template)
+    desc = envs.description if envs is not None else {"system": None, "tools": None}
+    system = cfg.system_prompt if cfg.system_prompt is not None else desc["system"]
+    formatter = Formatter(tokenizer, cfg.chat_format, system, cfg.assistant_only_loss, cfg.chat_template, desc["tools"])
     ctx = context_length(policy)  # also for hub models and models passed from Python, which the CLI cannot read ahead
     if ctx is not None and cfg.max_length > ctx:
         raise GcfError(

@@ -33,6 +33,8 @@ class StartEvaluation:
 class RunHooks:
     on_coefficients: Optional[Callable[[int, Coefficients], None]] = None
     """Called after each optimizer step's backward with the step's number (as logged) and its coefficients."""
+    environment: Optional[type] = None
+    """An Environment subclass from Python (gcfamily.train(env=MyEnv)): the run's environment, in this process."""
     start_evaluation: Optional[StartEvaluation] = None
     """Recorded as the step-0 evaluation of a run that starts at step 0, instead of evaluating the policy."""
 

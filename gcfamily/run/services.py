@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from gcfamily.core import engine
+from gcfamily.methods.episodes import EpisodeLimits
 from gcfamily.methods.services import LocalServices
 from gcfamily.models import lora
-from gcfamily.rollout import Rollout, SamplingSettings
+from gcfamily.rollout import Rollout, SamplingSettings, context_length
 from gcfamily.run import console
 from gcfamily.run.view import TrainerView
 
@@ -47,6 +48,16 @@ class RunServices(LocalServices):
     @property
     def reward_functions(self) -> list | None:  # type: ignore[override]
         return self._trainer.rewards
+
+    @property
+    def envs(self) -> Any:
+        return self._trainer.envs
+
+    @property
+    def episode_limits(self) -> EpisodeLimits:  # type: ignore[override]
+        cfg = self._trainer.cfg
+        tokens = cfg.max_episode_tokens or cfg.max_new_tokens * cfg.max_turns
+        return EpisodeLimits(cfg.max_turns, tokens, context_length(self._trainer.unwrapped_policy()))
 
     @property
     def rank(self) -> int:  # type: ignore[override]

@@ -104,7 +104,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed + (dist_env.rank if dist_env else 0))
         tell = console.teller(cfg.progress and self.is_main)  # converting and loading the model say so
-        self.policy, self.tokenizer, self.formatter = build.build_policy(cfg, model, self.precision, self.device, tell)
+        self.envs = build.environments(cfg, self.method_cls, self.hooks.environment)  # None: one turn per sample
+        self.policy, self.tokenizer, self.formatter = build.build_policy(
+            cfg, model, self.precision, self.device, tell, self.envs
+        )
         self.evaluation = Evaluation(
             cfg,
             self.method_cls,
@@ -270,6 +273,7 @@ class Trainer:
             stack.callback(threads.apply, self.threads_before)  # the program's own count again once the run ends
             stack.callback(self.logger.close)
             stack.callback(self.rollout.close)
+            stack.callback(lambda: self.envs is not None and self.envs.close())
             stack.callback(install_stop_handlers(self._on_signal))
             bar = self.bar = stack.enter_context(
                 console.progress_bar(cfg.progress and self.is_main, self.max_steps, self.step, f"{cfg.method}")
@@ -336,12 +340,8 @@ class Trainer:
     def cadence(self, metrics: dict[str, float], bar: Any) -> None:
         """What happens after a step: its metrics row, the progress bar, a periodic checkpoint, a requested stop."""
         cfg = self.cfg
-        if (
-            self.step % cfg.log_every == 0
-            or self.step == self.max_steps
-            or self.budget.spent(cfg)
-            or any(k.startswith("eval/") for k in metrics)
-        ):
+        last = self.step == self.max_steps or self.budget.spent(cfg)
+        if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
             self._log(self.step, metrics)
         if bar is not None:
             bar.update(1)

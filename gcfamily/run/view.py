@@ -42,6 +42,7 @@ class TrainerView(Protocol):
     method: Method
     generator: torch.Generator
     rollout: RolloutBackend  # every sampling path's engine (gcfamily/rollout/backend.py)
+    envs: Any  # the run's environments (gcfamily/envs/worker.py), or None
     bar: Any  # the run's progress bar while it goes, else None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
