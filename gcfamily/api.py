@@ -8,6 +8,7 @@
   name_or_path), or a `(model, tokenizer)` pair;
 - `dataset`, `eval_dataset`: a path or hub id, a `datasets.Dataset` / `DatasetDict`, or a list of dicts;
 - `reward`: a name or spec, a function (called in this process, TRL's keyword convention), or a list of them;
+- `env`: a name or spec as `--env` takes it, or an Environment subclass itself (run in this process);
 - every other keyword is a setting (`gcf settings --method M` lists them), typed and checked as `--set` is.
 
 Returns the run folder. Errors are `gcfamily.errors.GcfError` with one sentence.
@@ -80,6 +81,7 @@ def train(
     from gcfamily.data.sources import describe
     from gcfamily.methods import get_method
     from gcfamily.methods.base import Method
+    from gcfamily.run.hooks import RunHooks
     from gcfamily.run.trainer import Trainer
 
     for key, given in (("resume", resume), ("output_dir", output_dir)):
@@ -120,6 +122,9 @@ def train(
         elif obj is not None:
             values[key] = describe(obj)
             data_obj, eval_obj = (obj, eval_obj) if key == "dataset" else (data_obj, obj)
+    env_cls = settings.get("env") if isinstance(settings.get("env"), type) else None
+    if env_cls is not None:  # an Environment class runs in this process (the worker cannot import a script's class)
+        values["env"] = f"{env_cls.__module__}:{env_cls.__qualname__}"
     rewards = None
     if reward is not None:
         items = list(reward) if isinstance(reward, (list, tuple)) else [reward]
@@ -133,7 +138,15 @@ def train(
     resolve_settings(cfg, method_cls if method_cls is not None else get_method(cfg.method))
     if output_dir is None:
         cfg = default_output_dir(cfg, resume)
+    hooks = RunHooks(environment=env_cls)
     trainer = Trainer(
-        cfg, resume=resume, method=method_cls, model=model_obj, dataset=data_obj, eval_dataset=eval_obj, rewards=rewards
+        cfg,
+        resume=resume,
+        method=method_cls,
+        model=model_obj,
+        dataset=data_obj,
+        eval_dataset=eval_obj,
+        rewards=rewards,
+        hooks=hooks,
     )
     return trainer.run().resolve()
