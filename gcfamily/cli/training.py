@@ -141,6 +141,8 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).",
 )
 @click.option("--device", default="auto", show_default=True)
+@click.option("--env", default=None, help="Evaluate greedy episodes with this environment (as gcf run --env).")
+@click.option("--max-turns", default=4, show_default=True, type=click.IntRange(min=1), help="Policy turns per episode.")
 @click.option(
     "--save",
     default=None,
@@ -161,6 +163,8 @@ def eval_cmd(
     temperature: Optional[float],
     sets: tuple[str, ...],
     device: str,
+    env: Optional[str],
+    max_turns: int,
     save: Optional[str],
 ) -> None:
     """Held-out accuracy of a model on a task, or mean reward (and accuracy where rows carry an answer) on your data; greedy decoding.
@@ -237,6 +241,10 @@ def eval_cmd(
         options = {k: yaml.safe_load(v) for k, v in parse_sets(sets).items()}
     except yaml.YAMLError as e:
         raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
+    if env is not None and (maj_k is not None or dataset is not None):
+        raise GcfError(
+            "--env evaluates a task's held-out prompts as greedy episodes; drop --maj-k and --dataset with it."
+        )
     t = get_task(task, seed=seed, **options)
     answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
     m, tok = load_model(model, resolve_dtype("auto", dev), dev, say=console.teller(True))
@@ -244,9 +252,19 @@ def eval_cmd(
     check_fits(m, min(128, n), max_new_tokens, f"--max-new-tokens {max_new_tokens}")
     if maj_k is not None:  # before the greedy pass, which may take minutes
         check_fits(m, min(16, n) * maj_k, max_new_tokens, f"--maj-k {maj_k}")
+    fmt, episodes = None, None
+    if env is not None:  # greedy episodes: the environment's instructions and tools in the prompt, as in training
+        from gcfamily.data.encoding import Formatter
+        from gcfamily.envs.worker import open_envs
+        from gcfamily.methods.episodes import EpisodeLimits
+        from gcfamily.rollout import context_length
+
+        envs = open_envs(env)
+        fmt = Formatter(tok, system_prompt=envs.description["system"], tools=envs.description["tools"])
+        episodes = (envs, EpisodeLimits(max_turns, max_new_tokens * max_turns, context_length(m)))
     t0 = time.time()
     with console.eval_bar(True, samples, "evaluating") as bar:
-        acc = heldout_accuracy(m, tok, t, samples, max_new_tokens, details=details, bar=bar)
+        acc = heldout_accuracy(m, tok, t, samples, max_new_tokens, 128, fmt, details, bar, episodes)
     click.echo(f"{model} on {task}: held-out accuracy {acc:.3f} ({round(acc * n)}/{n}) in {time.time() - t0:.1f} s")
     if save is not None:
         save_details(save, details)

@@ -86,23 +86,45 @@ def episodes_scored(
         services.stop_requested,
         pad,
     )
+    t0 = time.perf_counter()
+    scores = score_episodes(eps, rows, G, reward, services.envs.name, services.stop_requested)
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    ids = [ep.last_ids for ep in eps.episodes]
+    return Samples(eps.rollout, prompts, ids, scores, time.perf_counter() - t0, eps)
+
+
+def scored_episodes(
+    generate: Any, formatter: Any, envs: Any, limits: Any, prompt_ids: list[list[int]], rows: list[dict[str, Any]],
+    G: int, sampling: SamplingSettings, reward: Any,
+) -> tuple[Episodes, Scores]:  # fmt: skip
+    """run_episodes then score_episodes, for a caller outside a run (held-out evaluation: `generate` its backend's)."""
+    tok = formatter.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eps = run_episodes(generate, formatter, envs, prompt_ids, rows, G, sampling, limits, None, pad)
+    return eps, score_episodes(eps, rows, G, reward, envs.name)
+
+
+def score_episodes(
+    eps: Episodes, rows: list[dict[str, Any]], G: int, reward: Any, env_name: str, should_stop: Any = None
+) -> Scores:
+    """Each episode's reward (module docstring): the environment's final reward, or the run's reward on the last
+    policy turn where it gives none, plus the step rewards; an episode whose environment failed is invalid."""
     ro, N = eps.rollout, len(eps.episodes)
     prompts = [r["prompt"] for r in rows for _ in range(G)]
     columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "completion")}
     ids = [ep.last_ids for ep in eps.episodes]
     rewards, valid = torch.zeros(N), torch.ones(N, dtype=torch.bool)  # [N], [N]
     errors: dict[int, str] = {k: ep.error for k, ep in enumerate(eps.episodes) if ep.error is not None}
-    failed_by = {k: f"env:{services.envs.name}" for k in errors}
+    failed_by = {k: f"env:{env_name}" for k in errors}
     per_reward: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     need = [k for k in range(N) if k not in errors and eps.finals[k] is None]  # the run's reward scores these
-    t0 = time.perf_counter()
     if need:
         sub = as_rewards(reward).score(
             [prompts[k] for k in need],
             [ro.completions[k] for k in need],
             [ids[k] for k in need],
             {c: [v[k] for k in need] for c, v in columns.items()},
-            should_stop=services.stop_requested,
+            should_stop=should_stop,
         )
         if sub.step_rewards:
             raise GcfError(
@@ -128,4 +150,4 @@ def episodes_scored(
         valid[k], rewards[k] = False, 0.0
     order = sorted(errors)
     scores = Scores(rewards, valid, [errors[k] for k in order], per_reward, [failed_by[k] for k in order])
-    return Samples(ro, prompts, ids, scores, time.perf_counter() - t0, eps)
+    return scores

@@ -115,6 +115,8 @@ class Evaluation:
             if not self.scores_completions(method):
                 return out
         details: list[dict[str, Any]] = []
+        services = getattr(method, "services", None)  # a run with an environment evaluates on greedy episodes
+        episodes = (services.envs, services.episode_limits) if getattr(services, "envs", None) is not None else None
         with gathered, autocast:
             if self.eval_dataset is not None:
                 out.update(
@@ -127,6 +129,7 @@ class Evaluation:
                         n=cfg.eval_samples,
                         details=details,
                         bar=bar,
+                        episodes=episodes,
                     )
                 )
             else:  # the task's held-out accuracy: the share of its held-out prompts (heldout_rows) scoring >= 1
@@ -145,8 +148,11 @@ class Evaluation:
                     accuracy=True,
                     details=details,
                     bar=bar,
+                    episodes=episodes,
                 )
                 out = {"eval/val_accuracy" if validation else "eval/accuracy": got["eval/accuracy"]}
+                if episodes is not None:  # an episode's reward may be partial (1 / turns): its mean, and the turns
+                    out.update({k: got[k] for k in ("eval/reward_mean", "eval/turns_mean")})
         policy.train(was_training)
         if self.is_main:  # per prompt, for paired comparisons (gcf bench): the same prompts in every run of a task_seed
             append_lines(self.out_dir / "eval_details.jsonl", [json.dumps({"step": step, "rows": details})])

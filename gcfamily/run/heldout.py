@@ -51,8 +51,9 @@ def evaluate_rows(
     accuracy: bool | None = None,
     details: list[dict[str, Any]] | None = None,
     bar: Any = None,
+    episodes: tuple[Any, Any] | None = None,
 ) -> dict[str, float]:
-    """Greedy completions of the first n rows scored by `reward` (see the module docstring for each figure); `bar`, a
+    """Greedy completions (with `episodes`, (envs, EpisodeLimits): greedy episodes, methods/episodes.py) of the first n rows scored by `reward` (see the module docstring for each figure); `bar`, a
     tqdm bar (gcfamily/run/console.py), moves by prompts and shows the token each batch decodes.
 
     eval/reward_mean (the weighted total), eval/reward/<name> (each reward of a rewards.Rewards alone),
@@ -63,6 +64,7 @@ def evaluate_rows(
     `details`, when given, receives one {index, prompt, completion, reward} per row (reward None where it failed;
     `correct` too where accuracy is reported), what `gcf bench` pairs across methods and seeds.
     """
+    from gcfamily.methods.samples import scored_episodes
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, build_backend
 
@@ -73,17 +75,22 @@ def evaluate_rows(
     model.eval()
     sampler = build_backend("native", model, formatter.tokenizer)  # the rollout interface, as a run's sampling
     settings = SamplingSettings(greedy=True, max_new_tokens=max_new_tokens)
-    total, ok, correct = 0.0, 0, 0
+    total, ok, correct, turns = 0.0, 0, 0, 0
     if bar is not None:
         bar.total = len(data.rows)
     each = {t.name: [0.0, 0] for t in rewards.terms}  # name -> [sum of its valid values, samples it scored]
     with packed_linears(model, batch_size):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_size):
             part = data.rows[s : s + batch_size]
-            with ticking(model, bar, max_new_tokens):
-                out = sampler.generate(data.examples[s : s + batch_size], 1, settings)
+            prompts = data.examples[s : s + batch_size]
+            with ticking(model, bar, max_new_tokens):  # with an environment, greedy episodes scored as in training
+                eps, scored = scored_episodes(sampler.generate, formatter, *episodes, prompts, part, 1, settings, rewards) if episodes else (None, None)  # fmt: skip
+                out = sampler.generate(prompts, 1, settings) if eps is None else eps.rollout
             columns = {k: [r.get(k) for r in part] for k in part[0] if k not in ("prompt", "completion")}
-            scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
+            if eps is None:
+                scored = rewards.score([r["prompt"] for r in part], out.completions, None, columns)
+            else:
+                turns += sum(sum(lp is not None for _, lp in ep.pieces) for ep in eps.episodes)
             for name, (r_k, ok_k) in scored.per_reward.items():
                 each[name][0] += float((r_k.double() * ok_k).sum())
                 each[name][1] += int(ok_k.sum())
@@ -103,6 +110,7 @@ def evaluate_rows(
                         "prompt": part[j]["prompt"],
                         "completion": out.completions[j],
                         "reward": r if valid else None,
+                        **({"turns": eps.episodes[j].turns} if eps is not None else {}),
                     }
                     details.append({**row, "correct": right} if counted else row)
             if bar is not None:
@@ -112,6 +120,8 @@ def evaluate_rows(
     metrics.update({f"eval/reward/{name}": v / max(k, 1) for name, (v, k) in each.items()})
     if counted:
         metrics["eval/accuracy"] = correct / max(m, 1)
+    if episodes is not None:
+        metrics["eval/turns_mean"] = turns / max(m, 1)
     return metrics
 
 
@@ -126,16 +136,16 @@ def heldout_accuracy(
     formatter: Formatter | None = None,
     details: list[dict[str, Any]] | None = None,
     bar: Any = None,
+    episodes: tuple[Any, Any] | None = None,
 ) -> float:
     """Fraction of the held-out prompts (the first n test rows, each prompt once) of a task whose greedy completion
-    scores >= 1 under the task's reward; `details` and `bar` as in evaluate_rows."""
+    (or episode) scores >= 1 under the task's reward; `details`, `bar` and `episodes` as in evaluate_rows."""
     rows = task.heldout_rows(n)
     if not rows:
         return 0.0
     fmt = formatter or Formatter(tokenizer)
-    return evaluate_rows(
-        model, fmt, rows, task.reward, max_new_tokens, batch_size, accuracy=True, details=details, bar=bar
-    )["eval/accuracy"]
+    got = evaluate_rows(model, fmt, rows, task.reward, max_new_tokens, batch_size, accuracy=True, details=details, bar=bar, episodes=episodes)  # fmt: skip
+    return got["eval/accuracy"]
 
 
 def accuracy_rule(rewards: Any, rows: list[dict[str, Any]]) -> tuple[bool | None, str]:
