@@ -75,6 +75,8 @@ class OfflineRFT(RFT):
     data_source = "the initial policy's samples, drawn once: G per training prompt, kept if reward >= reward_threshold"
 
     @dataclass
+    runs_episodes = False  # its pool keeps one completion per sample, not an episode's turns (pools.py)
+
     class Settings(RFT.Settings):
         pool: Optional[str] = None
         """The pools/rft-offline.jsonl of an earlier run to train on exactly (same prompts and tokenizer); none: draw the
