@@ -74,9 +74,9 @@ class OfflineRFT(RFT):
     name = "rft-offline"
     data_source = "the initial policy's samples, drawn once: G per training prompt, kept if reward >= reward_threshold"
 
-    @dataclass
     runs_episodes = False  # its pool keeps one completion per sample, not an episode's turns (pools.py)
 
+    @dataclass
     class Settings(RFT.Settings):
         pool: Optional[str] = None
         """The pools/rft-offline.jsonl of an earlier run to train on exactly (same prompts and tokenizer); none: draw the
