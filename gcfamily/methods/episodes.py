@@ -24,6 +24,7 @@ episode/obs_truncated, said once per run).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -105,7 +106,9 @@ def run_episodes(
     N = len(prompt_ids) * G
     eps = [Episode(list(prompt_ids[k // G])) for k in range(N)]
     prompts = [rows[k // G]["prompt"] for k in range(N)]
+    t0 = time.perf_counter()
     failed = envs.open({k: rows[k // G] for k in range(N)}, should_stop)
+    env_s = time.perf_counter() - t0
     for k, why in failed.items():
         eps[k].error, eps[k].ended_by = f"environment {envs.name}: {why}", "error"
     stats = {"episode/obs_truncated": 0.0}
@@ -137,7 +140,9 @@ def run_episodes(
                 ep.truncated = _end(ep, "length")
             else:
                 answering[k] = text
+        t0 = time.perf_counter()
         answers, errors = envs.step(answering, should_stop) if answering else ({}, {})
+        env_s += time.perf_counter() - t0
         going = []
         for k in answering:
             ep = eps[k]
@@ -169,8 +174,10 @@ def run_episodes(
         if not ep.ended_by:
             _end(ep, "turns")
     ended = [k for k in range(N) if eps[k].error is None]
+    t0 = time.perf_counter()
     finals_by, errors = envs.final(ended, should_stop) if ended else ({}, {})
     envs.drop([k for k in range(N) if eps[k].error is not None])
+    stats["time/env_s"] = env_s + time.perf_counter() - t0  # the environment's calls, the worker's round trips included
     for k, why in errors.items():
         eps[k].error = f"environment {envs.name}: {why}"
     assert first is not None

@@ -101,7 +101,7 @@ class OnPolicy(Method):
             self.skipped += len(self.prompt_tokens) - len(fits)
             self.rows, self.prompt_tokens = [self.rows[i] for i in fits], [self.prompt_tokens[i] for i in fits]
         self.reward_fn: RewardFn = self.build_reward_fn()
-        self.warned_reward = False
+        self.warned_reward = self.warned_cut = False
         self.sampling = sampling_of(cfg)
 
     def build_reward_fn(self) -> Rewards:
@@ -184,6 +184,13 @@ class OnPolicy(Method):
             print(
                 f"warning: {errors[0]} at step {step} ({len(errors)} of {len(errors) + int(valid.sum())} samples failed); "
                 "failed samples get no gradient and are counted in reward/failed.",
+                file=sys.stderr,
+            )
+        if stats.get("episode/obs_truncated") and not self.warned_cut:  # once per run; each step's count is logged
+            self.warned_cut = True
+            print(
+                f"warning: an environment's answer at step {step} was longer than the episode's room left "
+                "(max_episode_tokens or the model's context) and was cut; counted in episode/obs_truncated.",
                 file=sys.stderr,
             )
         return batch, stats

@@ -72,6 +72,11 @@ def environments(cfg: Config, method_cls: type[Method], given: Any) -> Any:
             f"{method_cls.name or cfg.method} trains on data it does not sample now; use an on-policy method (grpo, rft, "
             "ppo, online-dpo, ...)."
         )
+    if cfg.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise GcfError(
+            "env with strategy=fsdp2: each rank's episodes take their own number of turns, and every turn gathers the "
+            "sharded weights together with the other ranks; train with strategy=ddp (or one process)."
+        )
     from gcfamily.envs.worker import open_envs
 
     return open_envs(env, cfg.env_options, cfg.env_timeout)
