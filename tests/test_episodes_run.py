@@ -89,6 +89,23 @@ def test_every_on_policy_method_trains_on_multi_turn_episodes_from_a_user_file(g
     assert (out / "model.safetensors").is_file()
 
 
+def test_a_pool_of_episodes_keeps_the_policy_mask_and_trains_again_from_its_file(gcf, tmp_path):
+    env = tmp_path / "chatty.py"
+    env.write_text(ENV_FILE)
+    args = ["--method", "rft-offline", "--model", "tiny", "--task", "arithmetic", "--env", f"{env}:Chatty",
+            "--max-steps", "1", "--set", "batch_size=2", "--set", "group_size=4", "--set", "max_new_tokens=5",
+            "--set", "progress=false", "--set", "pool_prompts=4", "--set", "reward_threshold=-1"]  # fmt: skip
+    code, _, err = gcf("run", *args, "--output-dir", str(tmp_path / "a"))
+    assert code == 0, err
+    pool = tmp_path / "a" / "pools" / "rft-offline.jsonl"
+    lines = [json.loads(line) for line in pool.read_text().splitlines()[1:]]
+    assert all(len(r["policy_mask"]) == len(r["completion_ids"]) for r in lines)
+    assert any(0 in r["policy_mask"] for r in lines)  # episodes with the environment's tokens in them
+    code, _, err = gcf("run", *args, "--set", f"pool={pool}", "--output-dir", str(tmp_path / "b"))
+    assert code == 0, err
+    assert (tmp_path / "b" / "pools" / "rft-offline.jsonl").read_text() == pool.read_text()
+
+
 def test_an_environment_that_raises_fails_its_episodes_and_the_run_goes_on(gcf, tmp_path):
     env = tmp_path / "chatty.py"
     env.write_text(ENV_FILE.replace('if "x" in turn', 'if turn.endswith("e")'))

@@ -32,6 +32,9 @@ from gcfamily.rollout import SamplingSettings
 
 COLUMNS = ("prompt_index", "completion_ids", "completions", "rewards", "valid")
 """A pool line's fields, one per sample."""
+EPISODE = "policy_mask"
+"""A pool of episodes (a run with --env) adds this field to every line: 1 on the episode's tokens the policy wrote, 0
+on the environment's; its completion_ids then hold the whole episode after the prompt and completions its last turn."""
 
 
 @dataclass
@@ -47,7 +50,12 @@ class Pool:
     completions: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
+    policy_mask: list[list[int]] = field(default_factory=list)
+    """Per sample, where the pool holds episodes (EPISODE); empty for one-turn samples."""
     drawn_for: dict[str, Any] = field(default_factory=dict)
+
+    def columns(self) -> tuple[str, ...]:
+        return COLUMNS + ((EPISODE,) if self.policy_mask else ())
 
     def __len__(self) -> int:
         return len(self.prompt_index)
@@ -56,7 +64,7 @@ class Pool:
         """The header (`drawn_for`) and one JSON line per sample, written to a temporary file and renamed: a pool file
         is whole or absent, also on a full disk (one sentence, no temporary file left)."""
         lines = b"".join(
-            (json.dumps({c: getattr(self, c)[k] for c in COLUMNS}) + "\n").encode() for k in range(len(self))
+            (json.dumps({c: getattr(self, c)[k] for c in self.columns()}) + "\n").encode() for k in range(len(self))
         )
         self.drawn_for = {
             "gcf_pool": 1,
@@ -111,10 +119,13 @@ class Pool:
             raise refuse("holds no samples")
         if hashlib.sha256(lines).hexdigest() != pool.drawn_for["samples"] or len(rows) != pool.drawn_for.get("count"):
             raise refuse("has been edited or cut since it was drawn (its lines do not match its first line's digest)")
+        episodes = isinstance(rows[0], dict) and EPISODE in rows[0]
         for k, row in enumerate(rows):
-            if not _sample_ok(row, len(prompt_ids), vocab):
+            if not _sample_ok(row, len(prompt_ids), vocab) or (EPISODE in row) != episodes:
                 raise refuse(f"has a malformed sample on line {k + 2}")
-            for c in COLUMNS:
+            if episodes and not _mask_ok(row[EPISODE], row["completion_ids"]):
+                raise refuse(f"has a malformed policy mask on line {k + 2}")
+            for c in COLUMNS + ((EPISODE,) if episodes else ()):
                 getattr(pool, c).append(row[c])
         if prompts_digest(prompt_ids, pool.prompt_index) != pool.drawn_for["prompts"]:
             raise refuse("was drawn for other prompts (another task, dataset, formatting or tokenizer)")
@@ -131,6 +142,11 @@ def prompts_digest(prompt_ids: list[list[int]], prompt_index: list[int]) -> str:
 
 def _is_int(x: Any, below: Optional[int]) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x and (below is None or x < below)
+
+
+def _mask_ok(mask: Any, ids: list[int]) -> bool:
+    """An episode's policy mask: 0/1 per token, the first token the policy's (an episode opens with a policy turn)."""
+    return isinstance(mask, list) and len(mask) == len(ids) and all(m in (0, 1) and not isinstance(m, bool) for m in mask) and (not mask or mask[0] == 1)  # fmt: skip
 
 
 def _sample_ok(row: Any, n_prompts: int, vocab: Optional[int]) -> bool:
@@ -168,7 +184,12 @@ def draw(
         got = sample_scored(services, [prompt_ids[i] for i in part], [rows[i] for i in part], G, sampling, rewards)
         got.scores.require_outcome("a pool of the initial policy's samples")
         pool.prompt_index += [i for i in part for _ in range(G)]
-        pool.completion_ids += got.completion_ids
+        if got.episodes is None:
+            pool.completion_ids += got.completion_ids
+        else:  # the whole episode after the prompt, with the policy's tokens marked
+            for ep in got.episodes.episodes:
+                pool.completion_ids.append([t for ids, _ in ep.pieces for t in ids])
+                pool.policy_mask.append([int(lp is not None) for ids, lp in ep.pieces for _ in ids])
         pool.completions += list(got.rollout.completions)
         pool.rewards += [float(r) for r in got.scores.rewards.tolist()]
         pool.valid += [bool(v) for v in got.scores.valid.tolist()]

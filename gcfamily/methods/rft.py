@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from gcfamily.config import Config
-from gcfamily.data.batches import collate, default_pad_id, epoch_indices
+from gcfamily.data.batches import collate, collate_masked, default_pad_id, epoch_indices
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Stats
 from gcfamily.methods.onpolicy import OnPolicy
@@ -73,8 +73,6 @@ class OfflineRFT(RFT):
 
     name = "rft-offline"
     data_source = "the initial policy's samples, drawn once: G per training prompt, kept if reward >= reward_threshold"
-
-    runs_episodes = False  # its pool keeps one completion per sample, not an episode's turns (pools.py)
 
     @dataclass
     class Settings(RFT.Settings):
@@ -137,8 +135,14 @@ class OfflineRFT(RFT):
         pool = self._pool()
         prompts = [self.order[i] for i in self.step_indices(len(self.order), step)]
         ks = [k for p in prompts for k in self.samples[p]]
-        batch: Batch = collate(
-            [(self.prompt_tokens[pool.prompt_index[k]], pool.completion_ids[k]) for k in ks], self.pad_id
+        prompt = [self.prompt_tokens[pool.prompt_index[k]] for k in ks]
+        batch: Batch = (
+            collate_masked(
+                [(p + pool.completion_ids[k], [0] * len(p) + pool.policy_mask[k]) for p, k in zip(prompt, ks)],
+                self.pad_id,
+            )  # fmt: skip
+            if pool.policy_mask  # pooled episodes: the environment's tokens stay off the loss mask
+            else collate([(p, pool.completion_ids[k]) for p, k in zip(prompt, ks)], self.pad_id)
         )
         batch.rewards = torch.tensor([pool.rewards[k] for k in ks], dtype=torch.float32)  # [N]
         batch.valid = torch.tensor([pool.valid[k] for k in ks], dtype=torch.bool)  # [N]
