@@ -148,3 +148,17 @@ def test_a_task_can_be_a_users_class(gcf, tmp_path):
     code, _, err = gcf("run", "--method", "grpo", "--model", "tiny", "--task", f"{f}:Nope", "--max-steps", "1",
               "--output-dir", str(tmp_path / "r2"))  # fmt: skip
     assert code != 0 and "not a subclass of gcfamily.tasks.Task" in err
+
+
+def test_gcf_eval_plays_episodes_saves_their_turns_and_votes_over_them(gcf, tmp_path):
+    save = tmp_path / "episodes.jsonl"
+    code, out, err = gcf(
+        "eval", "--model", "tiny", "--task", "guess", "--env", "guess", "--samples", "3", "--max-new-tokens", "4",
+        "--max-turns", "2", "--maj-k", "2", "--save", str(save),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "held-out accuracy" in out and "maj@2" in out
+    rows = [json.loads(line) for line in save.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["turns"][0]["role"] == "assistant" for r in rows)
+    code, _, err = gcf("eval", "--model", "tiny", "--dataset", "rows.jsonl", "--reward", "numeric", "--env", "guess")
+    assert code != 0 and "drop --dataset" in err

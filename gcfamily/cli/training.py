@@ -141,7 +141,11 @@ def run(config_path: Optional[str], sets: tuple[str, ...], resume: Optional[str]
     help="Task options (--set level=1d-add); with --dataset, data settings (chat_format, columns, ...).",
 )
 @click.option("--device", default="auto", show_default=True)
-@click.option("--env", default=None, help="Evaluate greedy episodes with this environment (as gcf run --env).")
+@click.option(
+    "--env",
+    default=None,
+    help="Evaluate episodes with this environment (as gcf run --env); --maj-k votes on last turns.",
+)
 @click.option("--max-turns", default=4, show_default=True, type=click.IntRange(min=1), help="Policy turns per episode.")
 @click.option(
     "--save",
@@ -186,6 +190,8 @@ def eval_cmd(
     if temperature is not None and maj_k is None:
         raise GcfError("--temperature sets the temperature of the --maj-k samples; add --maj-k K or drop it.")
     temperature = 1.0 if temperature is None else temperature
+    if env is not None and dataset is not None:
+        raise GcfError("--env evaluates a task's held-out prompts as episodes; drop --dataset with it.")
     if dataset is None and reward:
         raise GcfError(
             "--reward scores --dataset rows; a task is scored by its own reward (drop --reward or pass --dataset)."
@@ -241,10 +247,6 @@ def eval_cmd(
         options = {k: yaml.safe_load(v) for k, v in parse_sets(sets).items()}
     except yaml.YAMLError as e:
         raise GcfError(f"a --set task option is not a valid value ({str(e).splitlines()[0]}).") from e
-    if env is not None and (maj_k is not None or dataset is not None):
-        raise GcfError(
-            "--env evaluates a task's held-out prompts as greedy episodes; drop --maj-k and --dataset with it."
-        )
     t = get_task(task, seed=seed, **options)
     answer = answer_extractor(t) if maj_k is not None else None  # before the model loads: a task without one fails fast
     m, tok = load_model(model, resolve_dtype("auto", dev), dev, say=console.teller(True))
@@ -275,7 +277,7 @@ def eval_cmd(
         t0 = time.time()
         got = sampled_eval(
             m,
-            Formatter(tok),
+            fmt or Formatter(tok),
             t.heldout_rows(samples),
             t.reward,
             maj_k,
@@ -283,6 +285,7 @@ def eval_cmd(
             max_new_tokens,
             seed,
             answer=answer,
+            episodes=episodes,
         )
         click.echo(
             f"{model} on {task}: maj@{maj_k} {got.maj_at_k:.3f}, pass@{maj_k} {got.pass_at_k[maj_k]:.3f}, "

@@ -283,13 +283,13 @@ def sampled_eval(
     seed: int = 0,
     batch_prompts: int = 16,
     answer: Answer | None = None,
+    episodes: tuple[Any, Any] | None = None,
 ) -> SampledEval:
-    """pass@1..k and (with `answer`, e.g. `answer_extractor(task)`) Maj@k from the same k sampled completions per prompt.
-
-    A sample is correct when it scores >= 1; pass@j is the unbiased estimator over the k samples, Maj@k as in the
-    module docstring. batch_prompts x k rows are sampled at once: 16 x 8 took 33-36 s for 64 sorting-short prompts on
-    SmolLM2-135M (2 threads), 8 x 8 43-48 s."""
+    """pass@1..k and (with `answer`, e.g. `answer_extractor(task)`) Maj@k from the same k sampled completions per prompt
+    (with `episodes`, as in evaluate_rows, k episodes, voted on their last turns). A sample is correct when it scores
+    >= 1; pass@j is the unbiased estimator over the k samples, Maj@k as in the module docstring."""
     from gcfamily.core.stats import pass_at_k
+    from gcfamily.methods.samples import scored_episodes
     from gcfamily.rewards import as_rewards
     from gcfamily.rollout import SamplingSettings, build_backend
 
@@ -304,14 +304,15 @@ def sampled_eval(
     answers: list[list[Hashable | None]] = []  # [prompts][k]
     with packed_linears(model, batch_prompts * k):  # the CPU weights packed once for every batch, not once a batch
         for s in range(0, len(data.rows), batch_prompts):
-            part = data.rows[s : s + batch_prompts]
-            out = sampler.generate(data.examples[s : s + batch_prompts], k, settings, gen)
-            columns = {
-                key: [r.get(key) for r in part for _ in range(k)]
-                for key in part[0]
-                if key not in ("prompt", "completion")
-            }
-            scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
+            part, prompts = data.rows[s : s + batch_prompts], data.examples[s : s + batch_prompts]
+            if episodes is not None:  # k episodes of each prompt, scored as training scores them
+                sample = lambda p, G, st: sampler.generate(p, G, st, gen)  # noqa: E731
+                eps, scored = scored_episodes(sample, formatter, *episodes, prompts, part, k, settings, rewards)
+                out = eps.rollout
+            else:
+                out = sampler.generate(prompts, k, settings, gen)
+                columns = {key: [r.get(key) for r in part for _ in range(k)] for key in part[0] if key not in ("prompt", "completion")}  # fmt: skip
+                scored = rewards.score([r["prompt"] for r in part for _ in range(k)], out.completions, None, columns)
             ok = [(v and r >= 1.0) for r, v in zip(scored.rewards.tolist(), scored.valid.tolist())]
             correct += [ok[i * k : (i + 1) * k] for i in range(len(part))]  # generate returns each prompt's k together
             if answer is not None:
