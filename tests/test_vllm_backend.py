@@ -271,3 +271,26 @@ def test_a_lora_policy_is_pushed_with_its_adapters_merged_into_copies():
                 assert torch.equal(p, base_before[n]), n
     finally:
         backend.close()
+
+
+@needs_vllm
+def test_multi_turn_episodes_sample_every_turn_through_the_engine(tmp_path):
+    """--env with rollout=vllm: later turns are sampled by the engine from the whole episode so far, and the trainer's
+    log-probs of every policy token (the environment's tokens off the mask) match the engine's."""
+    (tmp_path / "env.py").write_text(
+        "from gcfamily.envs import Environment, Step\n"
+        "class Chatty(Environment):\n"
+        "    role = 'user'\n"
+        "    stop = tuple('aeiou')\n"
+        "    def __init__(self, row):\n"
+        "        super().__init__(row)\n"
+        "        self.n = 0\n"
+        "    def step(self, turn):\n"
+        "        self.n += 1\n"
+        "        return Step('go on', None, self.n >= 3)\n"
+    )
+    r = vllm_grpo_run(tmp_path, env=f"{tmp_path / 'env.py'}:Chatty", max_new_tokens=12, max_turns=3)
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["episode/turns_mean"] for r in rows) > 1.0 and max(r["episode/env_tokens_mean"] for r in rows) > 0
+    assert all(0 < r["rollout/logp_diff_max"] <= 1e-3 for r in rows)
