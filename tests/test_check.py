@@ -55,7 +55,10 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "tokens with the sampler ratio above tis_max (truncated)",
         "sequences with the sampler ratio below tis_min (masked)",
         "tokens past dual-clip's bound (A < 0, r > c)",
-        "12 cases: 12 passed, 0 failed",
+        "case multi-turn episodes, clip and KL, token",
+        "environment tokens inside completions",
+        "(c) d loss/d logits on the environment's tokens (exactly 0)",
+        "13 cases: 13 passed, 0 failed",
     ):
         assert line in out, line
     assert "FAILED" not in out

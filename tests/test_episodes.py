@@ -221,3 +221,33 @@ def test_an_environment_spec_that_is_no_environment_is_one_sentence(tmp_path):
         open_envs(f"{tmp_path}/missing.py:X")
     with pytest.raises(GcfError, match="neither a built-in"):
         open_envs("nosuchenv")
+
+
+def test_gcf_check_fails_a_normaliser_that_counts_the_environments_tokens(monkeypatch):
+    """A planted bug: Z counted as each row's span from its first to its last loss token, so an environment's answer
+    inside an episode is counted. Only the multi-turn case can see it, and it does."""
+    from gcfamily.check import run_case
+    from gcfamily.check.cases import EPISODES
+    from gcfamily.core import engine
+    from gcfamily.methods import get_method
+
+    settings = {EPISODES: True, "mu": 2, "beta": 0.04, "loss_norm": "token"}
+    grpo = get_method("grpo")
+    assert run_case(grpo, "multi-turn", settings).ok  # as shipped
+
+    honest = engine.normaliser
+
+    def span(batches, mode, norm_constant=1.0, group=None):
+        if mode != "token":
+            return honest(batches, mode, norm_constant, group)
+        z = 0.0
+        for b in batches:
+            m = engine.effective_mask(b)
+            for row in m:
+                on = row.nonzero().flatten()
+                z += float(on[-1] - on[0] + 1) if len(on) else 0.0
+        return max(z, 1e-12)
+
+    monkeypatch.setattr(engine, "normaliser", span)
+    assert not run_case(grpo, "multi-turn", settings).ok
+    assert run_case(grpo, "single-turn", {k: v for k, v in settings.items() if k != EPISODES}).ok  # blind to it there
