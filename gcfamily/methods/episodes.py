@@ -1,6 +1,6 @@
 """The episode runner: a prompt, then policy turns and environment answers until the environment says done.
 
-    eps = run_episodes(generate, formatter, envs, prompt_ids, rows, G, sampling, limits)
+    eps = run_episodes(services.generate, formatter, envs, prompt_ids, rows, G, sampling, limits)
     # eps.rollout: one row per episode, laid out as a single-turn rollout is: the left-padded prompt, then the episode
     #              (policy turns and the environment's tokens, right-padded); completion_mask and sample_logps on the
     #              policy's sampled tokens only, so the environment's tokens are context and carry no gradient
@@ -88,7 +88,7 @@ def _turn(ro: Rollout, r: int) -> tuple[list[int], list[float], str, str]:
 
 
 def run_episodes(
-    generate: Callable[[list[list[int]], int, SamplingSettings], Rollout],
+    draw: Callable[[list[list[int]], int, SamplingSettings], Rollout],
     formatter: Any,
     envs: Any,
     prompt_ids: list[list[int]],
@@ -121,11 +121,11 @@ def run_episodes(
             break
         if turn == 0:  # every prompt's G samples at once, as a single-turn run draws them
             cap = min(room.values())
-            ro = first = generate(prompt_ids, G, _capped(sampling, cap))
+            ro = first = draw(prompt_ids, G, _capped(sampling, cap))
             rows_of = {k: k for k in range(N)}
         else:
             cap = max(room[k] for k in active)
-            ro = generate([eps[k].context() for k in active], 1, _capped(sampling, cap))
+            ro = draw([eps[k].context() for k in active], 1, _capped(sampling, cap))
             rows_of = {k: j for j, k in enumerate(active)}
         answering: dict[int, str] = {}
         for k in active:

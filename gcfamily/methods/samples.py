@@ -94,13 +94,13 @@ def episodes_scored(
 
 
 def scored_episodes(
-    generate: Any, formatter: Any, envs: Any, limits: Any, prompt_ids: list[list[int]], rows: list[dict[str, Any]],
+    draw: Any, formatter: Any, envs: Any, limits: Any, prompt_ids: list[list[int]], rows: list[dict[str, Any]],
     G: int, sampling: SamplingSettings, reward: Any,
 ) -> tuple[Episodes, Scores]:  # fmt: skip
-    """run_episodes then score_episodes, for a caller outside a run (held-out evaluation: `generate` its backend's)."""
+    """run_episodes then score_episodes, for a caller outside a run (held-out evaluation: `draw` its backend's generate)."""
     tok = formatter.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eps = run_episodes(generate, formatter, envs, prompt_ids, rows, G, sampling, limits, None, pad)
+    eps = run_episodes(draw, formatter, envs, prompt_ids, rows, G, sampling, limits, None, pad)
     return eps, score_episodes(eps, rows, G, reward, envs.name)
 
 
