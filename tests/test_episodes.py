@@ -251,3 +251,18 @@ def test_gcf_check_fails_a_normaliser_that_counts_the_environments_tokens(monkey
     monkeypatch.setattr(engine, "normaliser", span)
     assert not run_case(grpo, "multi-turn", settings).ok
     assert run_case(grpo, "single-turn", {k: v for k, v in settings.items() if k != EPISODES}).ok  # blind to it there
+
+
+def test_a_later_turn_never_runs_past_its_own_episodes_room():
+    """Turn 2 is sampled for episodes with different rooms left: each keeps at most its own room (its turn then ends
+    by length, its text the kept tokens'), as if sampled with that room as max_new_tokens."""
+    long_first = {(0, 0): ("a" * 9, "eos")}  # episode 0 used 10 tokens in turn 1, the others 5 each
+    out, _, _ = run(Script({**long_first, (1, 0): ("b" * 12, "eos"), (1, 1): ("c" * 3, "eos")}),
+                    rows=[{"prompt": "p", "turns": 3}], G=2, limits=EpisodeLimits(3, 30))  # fmt: skip
+    for ep in out.episodes:
+        assert ep.used <= 30
+    cut = out.episodes[0]
+    assert cut.ended_by == "length" and cut.truncated and cut.used == 30
+    assert cut.last_text == TOK.decode(cut.last_ids, skip_special_tokens=True) and set(cut.last_text) == {"b"}
+    whole = TOK("ccc", add_special_tokens=False)["input_ids"] + [EOS]
+    assert out.episodes[1].pieces[2][0] == whole  # the other had room for its whole turn, EOS included

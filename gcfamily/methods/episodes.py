@@ -15,6 +15,8 @@ trainer scores it in. An episode ends when
     its policy turn hit max_new_tokens            (the turn never ended: "length"; the environment does not see it)
     it has taken max_turns policy turns           ("turns"; the environment's last answer is not shown)
     the next turn would have no room left         ("tokens": max_episode_tokens or the model's context is reached)
+    a turn reached the room its episode had left  ("length": sampled with the largest room of the turn's episodes,
+                                                   its first tokens up to its own room kept, as a cap of its own would)
     its environment failed (raised, hung, answered garbage): the episode is invalid, with the reason
 
 An observation longer than the room left is cut to leave one token for the policy's next turn (counted in
@@ -123,13 +125,18 @@ def run_episodes(
             cap = min(room.values())
             ro = first = draw(prompt_ids, G, _capped(sampling, cap))
             rows_of = {k: k for k in range(N)}
-        else:
+        else:  # the largest room, but no row past the model's context; a turn past its own room is cut below
             cap = max(room[k] for k in active)
+            if limits.context is not None:
+                cap = min(cap, min(limits.context - len(eps[k].prompt) - eps[k].used for k in active))
             ro = draw([eps[k].context() for k in active], 1, _capped(sampling, cap))
             rows_of = {k: j for j, k in enumerate(active)}
         answering: dict[int, str] = {}
         for k in active:
             ids, logps, text, ended = _turn(ro, rows_of[k])
+            if len(ids) > room[k]:  # as if sampled with its own room as max_new_tokens: the first room[k] tokens
+                ids, logps, ended = ids[: room[k]], logps[: room[k]], "length"
+                text = formatter.tokenizer.decode(ids, skip_special_tokens=True)
             ep = eps[k]
             ep.pieces.append((ids, logps))
             ep.turns.append({"role": "assistant", "content": text})
