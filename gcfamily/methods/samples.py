@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from gcfamily.data.batches import default_pad_id
 from gcfamily.errors import GcfError
 from gcfamily.methods.episodes import Episodes, run_episodes
 from gcfamily.methods.services import Services
@@ -72,8 +73,6 @@ def episodes_scored(
     reward: Any,
 ) -> Samples:
     """G episodes of each prompt with the run's environments, scored (module docstring)."""
-    tok = services.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eps = run_episodes(
         services.generate,
         services.formatter,
@@ -84,7 +83,7 @@ def episodes_scored(
         sampling,
         services.episode_limits,
         services.stop_requested,
-        pad,
+        default_pad_id(services.tokenizer),
     )
     t0 = time.perf_counter()
     scores = score_episodes(eps, rows, G, reward, services.envs.name, services.stop_requested)
@@ -98,8 +97,7 @@ def scored_episodes(
     G: int, sampling: SamplingSettings, reward: Any,
 ) -> tuple[Episodes, Scores]:  # fmt: skip
     """run_episodes then score_episodes, for a caller outside a run (held-out evaluation: `draw` its backend's generate)."""
-    tok = formatter.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = default_pad_id(formatter.tokenizer)
     eps = run_episodes(draw, formatter, envs, prompt_ids, rows, G, sampling, limits, None, pad)
     return eps, score_episodes(eps, rows, G, reward, envs.name)
 
