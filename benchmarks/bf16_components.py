@@ -1,20 +1,18 @@
 """Where bf16 loses the log-probs: the error of bf16 compute against float32 per token, and which component carries it.
 
     .venv/bin/python benchmarks/bf16_components.py                        # SmolLM2-135M-Instruct (offline) and families
-    .venv/bin/python benchmarks/bf16_components.py --families llama,qwen2 --rows 48
+    .venv/bin/python benchmarks/bf16_components.py --model runs/sft6 --families none   # a trained checkpoint
 
 Text: the arithmetic task's first 48 held-out rows, each a chat-templated prompt and its reference answer plus EOS; the
-log-probs are those of the answer's tokens only (what SFT trains on and what a ratio or KL of a completion reads).
-Reference: the same model in float32. Each bf16 variant runs the trainer's mixed path, the float32 weights under
-torch.autocast(bfloat16) (`dtype=bfloat16`, master float32), or pure bf16 weights (`master_dtype=bfloat16`), and
-with one component at a time kept in float32 (its forward outside autocast, its inputs cast up), to see which
-component carries the error:
+log-probs are those of the answer's tokens only (what SFT trains on and what a ratio or KL of a completion reads),
+through the engine's own path (the backbone, then the chunked output layer and log-softmax). Reference: the same
+model in float32. Variants: the trainer's mixed path, float32 weights under torch.autocast(bfloat16)
+(`dtype=bfloat16`), with each combination of components kept in float32 by the package's own `float32_components`
+(gcfamily/core/float32_parts.py: attention, mlp, head; embeddings and norms autocast never lowers); all three kept
+must give exactly float32's log-probs; and pure bf16 weights (`master_dtype=bfloat16`).
 
-    embeddings   the input embedding       norms   every *Norm module
-    attention    each self-attention block (projections, rotary, softmax)
-    mlp          each MLP block            head    the output layer and the log-softmax after it
-
-Printed per variant: mean and max |logp_bf16 - logp_fp32| over the answer tokens, and the held-out NLL per token.
+Printed per variant: mean and max |logp_bf16 - logp_fp32| over the answer tokens, the held-out NLL per token, and on
+the real model the median seconds of one forward and backward over the 48 rows (float32 measured right before it).
 The families are the tiny random builds of tests/test_family_sampling.py (random weights, gcfamily's character-level
 tokenizer on the same text): their errors say how each architecture's bf16 behaves, not what a
 trained model of that family loses.
@@ -25,7 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,152 +33,78 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-COMPONENTS = ("embeddings", "norms", "attention", "mlp", "head")
+from gcfamily.core import engine, float32_parts  # noqa: E402
+
 FAMILIES = "llama,qwen2,mistral,gemma,gemma2,phi3,gpt2,olmo2,granite,qwen3"
+KEPT = ((), ("head",), ("mlp",), ("attention",), ("mlp", "head"), ("attention", "head"), ("attention", "mlp"))
+ALL = ("attention", "mlp", "head")
 
 
-def members(model: torch.nn.Module, component: str) -> list[str]:
-    """The names of the modules that make up `component` (by the transformers naming every family here follows; the
-    output layer, "head", is handled apart)."""
+def answer_logps(model, rows, mode: str) -> torch.Tensor:
+    """Log-probs (float64, 1-D) of every answer token of every row through the engine's own path
+    (engine.token_logprobs: the backbone, then the chunked head): float32 ("fp32"), the model as it is under bf16
+    autocast ("autocast": its kept components, if any, in float32), or pure bf16 weights ("pure")."""
+    m = copy.deepcopy(model).to(torch.bfloat16) if mode == "pure" else model
     out = []
-    for name, mod in model.named_modules():
-        last = name.rsplit(".", 1)[-1]
-        kind = type(mod).__name__.lower()
-        if component == "embeddings" and last in ("embed_tokens", "wte", "word_embeddings", "embed_in"):
-            out.append(name)
-        elif component == "norms" and "norm" in kind:
-            out.append(name)
-        elif component == "attention" and last in ("self_attn", "attn", "attention", "self_attention"):
-            out.append(name)
-        elif component == "mlp" and last in ("mlp", "feed_forward"):
-            out.append(name)
-    return out
-
-
-@contextlib.contextmanager
-def kept_in_float32(mods: list[torch.nn.Module], back: bool):
-    """These modules compute in float32: their forward runs outside autocast with floating inputs cast up (their
-    weights are float32); `back` casts their outputs to bf16 (pure bf16: the next module's weights are bf16)."""
-    saved = []
-
-    def cast(x, dtype):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(dtype)
-        if isinstance(x, tuple):
-            return tuple(cast(v, dtype) for v in x)
-        return x
-
-    def wrap(mod: torch.nn.Module):
-        fwd = mod.forward
-
-        def forward(*args, **kwargs):
-            with torch.autocast("cpu", enabled=False):
-                out = fwd(
-                    *[cast(a, torch.float32) for a in args], **{k: cast(v, torch.float32) for k, v in kwargs.items()}
-                )
-            if back:
-                out = cast(out, torch.bfloat16)
-            return out
-
-        mod.forward = forward
-        saved.append((mod, fwd))
-
-    for m in mods:
-        wrap(m)
-    try:
-        yield
-    finally:
-        for m, fwd in saved:
-            m.forward = fwd
-
-
-@contextlib.contextmanager
-def alone_in_bf16(mods: list[torch.nn.Module]):
-    """These modules, alone, compute under bf16 autocast (the rest of the model in float32); outputs cast back up."""
-    saved = []
-
-    def wrap(mod: torch.nn.Module):
-        fwd = mod.forward
-
-        def forward(*args, **kwargs):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = fwd(*args, **kwargs)
-            up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            return tuple(up(v) for v in out) if isinstance(out, tuple) else up(out)
-
-        mod.forward = forward
-        saved.append((mod, fwd))
-
-    for m in mods:
-        wrap(m)
-    try:
-        yield
-    finally:
-        for m, fwd in saved:
-            m.forward = fwd
-
-
-def answer_logps(model, rows: list[tuple[list[int], list[int]]], mode: str, keep: str | None) -> torch.Tensor:
-    """Log-probs (float64, 1-D) of every answer token of every row: float32 ("fp32"), the float32 weights under bf16
-    autocast ("autocast"), or pure bf16 weights ("pure"); `keep`, a component kept in float32. The log-softmax always
-    reads float32 logits (as the engine's does); "head" in float32 is the output layer's matmul on float32 operands."""
-    names = members(model, keep) if keep and keep != "head" else []
-    m = model
-    if mode == "pure":
-        m = copy.deepcopy(model).to(torch.bfloat16)
-        for n in names:  # the kept component's own float32 weights, not bf16 ones cast back up
-            m.get_submodule(n).load_state_dict({k: v.float() for k, v in model.get_submodule(n).state_dict().items()})
-            m.get_submodule(n).float()
-    head_w = model.get_output_embeddings().weight.detach()  # float32
-    out = []
-    scope = (
-        alone_in_bf16([m.get_submodule(n) for n in names])
-        if mode == "only"
-        else kept_in_float32([m.get_submodule(n) for n in names], back=mode == "pure")
-    )
-    with scope:
-        for prompt, answer in rows:
-            ids = torch.tensor([prompt + answer])
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
-            with torch.no_grad(), ctx:
-                hidden = m.get_decoder()(ids).last_hidden_state
-                if mode == "only":  # float32 everywhere but `keep`, which alone runs in bf16
-                    logits = (
-                        torch.nn.functional.linear(hidden, head_w.to(torch.bfloat16) if keep == "head" else head_w)
-                        if keep != "head"
-                        else torch.nn.functional.linear(hidden.to(torch.bfloat16), head_w.to(torch.bfloat16))
-                    )
-                elif keep == "head" or mode == "fp32":
-                    with torch.autocast("cpu", enabled=False):
-                        logits = torch.nn.functional.linear(hidden.float(), head_w)
-                elif mode == "pure":  # the output layer in bf16 whatever else is kept (a tied embedding kept apart)
-                    logits = torch.nn.functional.linear(hidden.to(torch.bfloat16), head_w.to(torch.bfloat16))
-                else:
-                    logits = m.get_output_embeddings()(hidden)
-            lp = logits.float().log_softmax(-1).double()
-            P = len(prompt)
-            out.append(lp[0, P - 1 : -1].gather(-1, ids[0, P:, None])[:, 0])
+    for prompt, answer in rows:
+        ids = torch.tensor([prompt + answer])
+        ones = torch.ones_like(ids)
+        loss = torch.zeros_like(ids)
+        loss[:, len(prompt) :] = 1
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            lp = engine.token_logprobs(m, ids, ones, loss, 1.0, 4096).logps
+        out.append(lp[0, len(prompt) :].double())
     return torch.cat(out)
 
 
-def table(model, rows, label: str) -> list[str]:
-    ref = answer_logps(model, rows, "fp32", None)
+def step_seconds(model, rows, repeats: int) -> float:
+    """Median seconds of one forward and backward of the engine's weighted log-likelihood over all rows, padded to one
+    batch, under the model's current mode (bf16 autocast, with whatever it keeps in float32; or float32 if `model` is
+    not under autocast: the caller chooses)."""
+    L = max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    am, lm = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        am[i, : len(p) + len(a)] = 1
+        lm[i, len(p) : len(p) + len(a)] = 1
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lp = engine.token_logprobs(model, ids, am, lm, 1.0, 4096).logps
+        (-(lp * lm).sum() / lm.sum()).backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def table(model, rows, label: str, timing: int = 0) -> list[str]:
+    """One line per variant: |dlogp| mean and max against float32, NLL, and (timing > 0) the median forward and
+    backward seconds over `timing` repeats, float32 first, each variant right after the float32 it is compared with."""
+    ref = answer_logps(model, rows, "fp32")
     lines = [f"{label}: float32 NLL per answer token {-ref.mean():.4f} over {len(ref)} tokens"]
     print(lines[-1], flush=True)
-    for mode in ("autocast", "pure", "only"):
-        for keep in (None, *COMPONENTS) if mode != "only" else COMPONENTS:
-            lp = answer_logps(model, rows, mode, keep)
-            d = (lp - ref).abs()
-            what = (
-                f"float32, {keep} alone in bf16"
-                if mode == "only"
-                else f"{'bf16 autocast' if mode == 'autocast' else 'pure bf16'}, "
-                + ("all bf16" if keep is None else f"{keep} in float32")
-            )
-            lines.append(
-                f"  {what:38s} |dlogp| mean {d.mean():.2e} max {d.max():.2e}   NLL {-lp.mean():.4f} ({-lp.mean() + ref.mean():+.4f})"
-            )
-            print(lines[-1], flush=True)
+    variants = [("pure", ()), *[("autocast", k) for k in KEPT], ("autocast", ALL)]
+    for mode, keep in variants:
+        m = copy.deepcopy(model)
+        float32_parts.keep_float32(m, keep)
+        lp = answer_logps(m, rows, mode)
+        d = (lp - ref).abs()
+        what = (
+            "pure bf16 weights"
+            if mode == "pure"
+            else "bf16 autocast, " + (f"{'+'.join(keep)} in float32" if keep else "all in bf16")
+        )
+        line = f"  {what:44s} |dlogp| mean {d.mean():.2e} max {d.max():.2e}   NLL {-lp.mean():.4f} ({-lp.mean() + ref.mean():+.4f})"
+        if timing and mode == "autocast":
+            m.train()
+            fp32 = step_seconds(m, rows, timing)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                mixed = step_seconds(m, rows, timing)
+            line += f"   fwd+bwd {mixed:.2f} s (float32 {fp32:.2f} s, x{fp32 / mixed:.2f})"
+        lines.append(line)
+        print(line, flush=True)
     return lines
 
 
@@ -201,14 +127,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--families", default=FAMILIES, help="comma-separated model types, or none")
     ap.add_argument("--no-smollm2", action="store_true")
+    ap.add_argument("--model", default="smollm2-135m", help="the real model: an alias or a run's model folder")
+    ap.add_argument(
+        "--timing", type=int, default=3, help="forward+backward repeats per variant on the real model (0: none)"
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     if not a.no_smollm2:
         from gcfamily.models import load_model
 
-        model, tok = load_model("smollm2-135m")
+        model, tok = load_model(a.model)
         rows = smollm2_rows(tok, a.rows)
-        table(model.eval(), rows, f"SmolLM2-135M-Instruct (offline), {a.rows} held-out arithmetic answers")
+        name = "SmolLM2-135M-Instruct (offline)" if a.model == "smollm2-135m" else a.model
+        table(model.eval(), rows, f"{name}, {a.rows} held-out arithmetic answers", a.timing)
     if a.families != "none":
         from test_family_sampling import tiny
 

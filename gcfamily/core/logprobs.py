@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gcfamily.core import onednn
+from gcfamily.core import float32_parts, onednn
 from gcfamily.core.batch import Batch
 from gcfamily.core.packing import backbone_hidden
 from gcfamily.errors import GcfError
@@ -230,6 +230,8 @@ def _token_logprobs(
     # entropy is a training metric: passes without gradients (pi_old, the reference) skip it and get zeros
     dev = h.device.type  # under autocast the output layer's products take its dtype too
     compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    if float32_parts.kept(head):  # float32_components=head: float32 operands under autocast too
+        compute, h = None, h.float()
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)  # Gemma 2
     lp, ent = _ChunkedTokenLogprob.apply(
         h,

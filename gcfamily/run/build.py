@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gcfamily.config import Config
-from gcfamily.core import engine, precision, threads
+from gcfamily.core import engine, float32_parts, precision, threads
 from gcfamily.data.encoding import Formatter
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Method
@@ -107,7 +107,27 @@ def build_policy(
     if lora.enabled(cfg):  # before the method's setup: its reference is this model with the adapters off
         policy = lora.wrap(policy, cfg)
     precision.check_master(policy.parameters(), prec, f"The model {cfg.model}")
+    keep_float32(policy, cfg, prec)
     return policy, tokenizer, formatter
+
+
+def keep_float32(policy: torch.nn.Module, cfg: Config, prec: precision.Precision) -> None:
+    """cfg.float32_components kept in float32 under the run's bf16 autocast (its reference, a deep copy, keeps them
+    too); nothing to keep in a float32 run; refused where autocast does not compute the forwards."""
+    parts = float32_parts.parse(cfg.float32_components)
+    if not parts or prec.compute == torch.float32:
+        return
+    if not prec.mixed:
+        raise GcfError(
+            f"float32_components={','.join(parts)} keeps float32 weights' components in float32 under bf16 compute; "
+            "master_dtype=bfloat16 has no float32 weights: leave it out or train with master_dtype=float32."
+        )
+    if cfg.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise GcfError(
+            f"float32_components={','.join(parts)} with strategy=fsdp2: FSDP2 casts whole layers' weights to the compute "
+            "dtype, so no component can stay float32; train with strategy=ddp (or one process)."
+        )
+    float32_parts.keep_float32(policy, parts)
 
 
 def build_method(method_cls: type[Method], cfg: Config, services: Services, evaluation: Evaluation) -> Method:
