@@ -58,10 +58,9 @@ def answer_logps(model, rows, mode: str) -> torch.Tensor:
     return torch.cat(out)
 
 
-def step_seconds(model, rows, repeats: int) -> float:
-    """Median seconds of one forward and backward of the engine's weighted log-likelihood over all rows, padded to one
-    batch, under the model's current mode (bf16 autocast, with whatever it keeps in float32; or float32 if `model` is
-    not under autocast: the caller chooses)."""
+def step_seconds(model, rows, repeats: int) -> tuple[float, float]:
+    """Median seconds of one forward and backward of the engine's mean log-likelihood over all rows (one padded batch)
+    in float32 and under bf16 autocast (with whatever `model` keeps in float32), the two alternating `repeats` times."""
     L = max(len(p) + len(a) for p, a in rows)
     ids = torch.zeros(len(rows), L, dtype=torch.long)
     am, lm = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -69,19 +68,23 @@ def step_seconds(model, rows, repeats: int) -> float:
         ids[i, : len(p) + len(a)] = torch.tensor(p + a)
         am[i, : len(p) + len(a)] = 1
         lm[i, len(p) : len(p) + len(a)] = 1
-    times = []
+    times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
-        t = time.perf_counter()
-        lp = engine.token_logprobs(model, ids, am, lm, 1.0, 4096).logps
-        (-(lp * lm).sum() / lm.sum()).backward()
-        times.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for mixed in (False, True):
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+            t = time.perf_counter()
+            with ctx:
+                lp = engine.token_logprobs(model, ids, am, lm, 1.0, 4096).logps
+                loss = -(lp * lm).sum() / lm.sum()
+            loss.backward()
+            times[mixed].append(time.perf_counter() - t)
+            model.zero_grad(set_to_none=True)
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def table(model, rows, label: str, timing: int = 0) -> list[str]:
     """One line per variant: |dlogp| mean and max against float32, NLL, and (timing > 0) the median forward and
-    backward seconds over `timing` repeats, float32 first, each variant right after the float32 it is compared with."""
+    backward seconds over `timing` repeats, each variant alternating with float32."""
     ref = answer_logps(model, rows, "fp32")
     lines = [f"{label}: float32 NLL per answer token {-ref.mean():.4f} over {len(ref)} tokens"]
     print(lines[-1], flush=True)
@@ -98,10 +101,7 @@ def table(model, rows, label: str, timing: int = 0) -> list[str]:
         )
         line = f"  {what:44s} |dlogp| mean {d.mean():.2e} max {d.max():.2e}   NLL {-lp.mean():.4f} ({-lp.mean() + ref.mean():+.4f})"
         if timing and mode == "autocast":
-            m.train()
-            fp32 = step_seconds(m, rows, timing)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                mixed = step_seconds(m, rows, timing)
+            fp32, mixed = step_seconds(m.train(), rows, timing)
             line += f"   fwd+bwd {mixed:.2f} s (float32 {fp32:.2f} s, x{fp32 / mixed:.2f})"
         lines.append(line)
         print(line, flush=True)
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--no-smollm2", action="store_true")
     ap.add_argument("--model", default="smollm2-135m", help="the real model: an alias or a run's model folder")
     ap.add_argument(
-        "--timing", type=int, default=3, help="forward+backward repeats per variant on the real model (0: none)"
+        "--timing", type=int, default=5, help="forward+backward repeats per variant on the real model (0: none)"
     )
     a = ap.parse_args()
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """Mixed precision: bf16 compute over float32 master weights and AdamW state; pure bf16 only on request."""
 
+import copy
 import json
 import re
 
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from gcfamily.config import Config
-from gcfamily.core import engine, logprobs, precision
+from gcfamily.core import engine, float32_parts, logprobs, precision
 from gcfamily.core.onednn import packed_linears
 from gcfamily.errors import GcfError
 from gcfamily.models import tiny_model, tiny_tokenizer
@@ -209,3 +210,119 @@ def test_a_mixed_precision_run_says_its_log_prob_gap_to_float32_past_the_bound(t
     Trainer(Config(output_dir=str(tmp_path / "b"), **{**SFT, "dtype": "bfloat16"}))  # the default bound, 0.01
     Trainer(Config(output_dir=str(tmp_path / "c"), **{**SFT, "dtype": "float32", "logprob_error_bound": 1e-7}))
     assert "note: under dtype" not in capsys.readouterr().err
+
+
+# --- float32_components: components kept in float32 under bf16 autocast ---------------------------------------------
+
+
+def _batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (3, 20), generator=g)
+    am, lm = torch.ones_like(ids), torch.zeros_like(ids)
+    lm[:, 6:] = 1
+    am[2, 15:] = 0  # a padded row
+    lm[2, 15:] = 0
+    return ids, am, lm
+
+
+def _logps_and_grads(model, batch, bf16: bool):
+    """The engine's log-probs [B, L] and the gradient of their mean over the loss tokens, under bf16 autocast or not."""
+    ids, am, lm = batch
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        lp = engine.token_logprobs(model, ids, am, lm, 1.0, 7).logps
+        loss = -(lp * lm).sum() / lm.sum()
+    loss.backward()
+    return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_every_component_kept_in_float32_gives_float32s_log_probs_and_gradient_exactly(family):
+    """Oracle: the same model in float32, no autocast. Attention, MLP and head kept leave nothing to bf16 (embeddings,
+    norms and the residual stream autocast never lowers): log-probs and gradient are float32's, bit for bit; also in a
+    deep copy (the frozen reference is one)."""
+    from test_family_sampling import tiny
+
+    model = tiny(family) if family != "llama" else tiny_model(len(tiny_tokenizer()), seed=3)  # eval: no dropout
+    batch = _batch(100)
+    exact, g_exact = _logps_and_grads(model, batch, bf16=False)
+    plain, _ = _logps_and_grads(model, batch, bf16=True)
+    assert (plain - exact).abs().max() > 1e-5  # bf16 autocast really computes in bf16 here
+    kept = copy.deepcopy(model)
+    assert float32_parts.keep_float32(kept, ("attention", "mlp", "head")) >= 3
+    for m in (kept, copy.deepcopy(kept)):
+        lp, g = _logps_and_grads(m, batch, bf16=True)
+        assert torch.equal(lp, exact) and torch.equal(g, g_exact)
+    assert not torch.is_autocast_enabled("cpu")  # every hook left autocast as it found it
+
+
+def test_each_kept_component_is_float32_and_only_it():
+    """One component kept: the log-probs differ from float32 (the rest is bf16) and from all-bf16 (it was kept); the
+    head kept makes the engine's chunked head take float32 operands (its own path, not the module's forward)."""
+    model = tiny_model(len(tiny_tokenizer()), seed=3)
+    batch = _batch(100)
+    exact, _ = _logps_and_grads(model, batch, bf16=False)
+    plain, _ = _logps_and_grads(model, batch, bf16=True)
+    for c in float32_parts.COMPONENTS:
+        m = copy.deepcopy(model)
+        float32_parts.keep_float32(m, (c,))
+        lp, _ = _logps_and_grads(m, batch, bf16=True)
+        assert not torch.equal(lp, exact) and not torch.equal(lp, plain), c
+
+
+def test_a_planted_bf16_product_inside_a_kept_component_breaks_float32_equality():
+    """The check above can fail: one projection inside a kept MLP computed in bf16 (as a component the path forgot
+    would be) moves the log-probs off float32's."""
+    model = tiny_model(len(tiny_tokenizer()), seed=3)
+    batch = _batch(100)
+    exact, _ = _logps_and_grads(model, batch, bf16=False)
+    float32_parts.keep_float32(model, ("attention", "mlp", "head"))
+    down = float32_parts.modules_of(model, "mlp")[0].down_proj
+    w = down.weight
+    down.forward = lambda x: torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()  # the planted component
+    lp, _ = _logps_and_grads(model, batch, bf16=True)
+    assert not torch.equal(lp, exact)
+
+
+def test_float32_components_train_as_float32_and_refuse_what_they_cannot_keep(tmp_path):
+    """SFT steps with everything kept move the weights exactly as float32 steps; a GRPO step samples through the kept
+    attention (its KV cache float32) and its sampler's log-probs match the trainer's; a bad name, pure bf16 and an
+    unknown component are one sentence each; in a float32 run the setting changes nothing."""
+    fp32, _ = _train(tmp_path / "fp32", dtype="float32", max_steps=2)
+    kept, _ = _train(tmp_path / "kept", dtype="bfloat16", float32_components="attention,mlp,head", max_steps=2)
+    for (n, a), b in zip(fp32.policy.named_parameters(), kept.policy.parameters()):
+        assert torch.equal(a, b), n
+    tr = Trainer(
+        Config(
+            **{**SFT, "method": "grpo", "batch_size": 2, "micro_batch_size": 4},
+            group_size=4,
+            max_new_tokens=6,
+            max_steps=1,
+            beta=0.04,
+            dtype="bfloat16",
+            float32_components=["attention"],
+            output_dir=str(tmp_path / "grpo"),
+        )
+    )
+    tr.run()
+    row = json.loads((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["rollout/logp_diff_max"] < 0.05 and abs(row["grpo/kl"]) < 1e-3
+    for bad, said in (
+        (dict(float32_components="lm_head"), "float32_components='lm_head' is not one of attention, mlp, head"),
+        (
+            dict(float32_components="mlp", dtype="bfloat16", master_dtype="bfloat16"),
+            "master_dtype=bfloat16 has no float32 weights",
+        ),
+    ):
+        with pytest.raises(GcfError, match=re.escape(said)):
+            Trainer(Config(output_dir=str(tmp_path / "bad"), **{**SFT, **bad}))
+    Trainer(Config(output_dir=str(tmp_path / "f32"), **{**SFT, "dtype": "float32", "float32_components": "head"}))
+
+
+def test_dtype_auto_says_what_it_chose(tmp_path, capsys):
+    """auto on the CPU: float32, said on the first lines with the reason; an explicit dtype says nothing of it."""
+    Trainer(Config(output_dir=str(tmp_path / "a"), **{**SFT, "progress": True}))
+    assert "dtype=auto: float32 on the CPU, log-probs exact; bf16 compute" in capsys.readouterr().err
+    Trainer(Config(output_dir=str(tmp_path / "b"), **{**SFT, "progress": True, "dtype": "float32"}))
+    assert "dtype=auto" not in capsys.readouterr().err
+    assert "dtype=auto: bfloat16 compute on cuda" in precision.auto_choice(torch.bfloat16, torch.device("cuda"))
