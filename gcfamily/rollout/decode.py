@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gcfamily.core import float32_parts
 from gcfamily.errors import GcfError
 
 SLOT_ROUND = 64  # slot counts are rounded up to this, so prompts of similar length share buffers and graphs
@@ -91,6 +92,8 @@ def why_not(model: torch.nn.Module) -> str | None:
         return f"its attention implementation is {getattr(model.config, '_attn_implementation', None)!r}, not sdpa"
     if any(type(p.data) is not torch.Tensor for p in model.parameters()):
         return "its parameters are sharded tensors"
+    if any(float32_parts.kept(m) for m in model.modules()):  # their hooks switch autocast inside the step
+        return "float32_components keeps some of its modules in float32"
     return None
 
 
