@@ -329,4 +329,4 @@ def test_dtype_auto_says_what_it_chose(tmp_path, capsys):
     assert "dtype=auto: float32 on the CPU, log-probs exact; bf16 compute" in capsys.readouterr().err
     Trainer(Config(output_dir=str(tmp_path / "b"), **{**SFT, "progress": True, "dtype": "float32"}))
     assert "dtype=auto" not in capsys.readouterr().err
-    assert "dtype=auto: bfloat16 compute on cuda" in precision.auto_choice(torch.bfloat16, torch.device("cuda"))
+    assert "dtype=auto: bfloat16 compute on cuda" in precision.auto_choice(torch.bfloat16, "cuda")

@@ -65,20 +65,20 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def auto_choice(compute: torch.dtype, device: torch.device) -> str:
+def auto_choice(compute: torch.dtype, device_type: str) -> str:
     """What dtype=auto chose and why, in one line (the evidence: docs/precision.md, benchmarks/bf16_components.py)."""
     if compute == torch.bfloat16:
         return (
-            f"dtype=auto: bfloat16 compute on {device.type} (weights, gradients and AdamW in float32); it moves a trained "
+            f"dtype=auto: bfloat16 compute on {device_type} (weights, gradients and AdamW in float32); it moves a trained "
             "model's per-token log-probs by about 0.05 nats (docs/precision.md): dtype=float32 keeps them exactly."
         )
-    if device.type == "cpu":
+    if device_type == "cpu":
         return (
             "dtype=auto: float32 on the CPU, log-probs exact; bf16 compute ran SFT and GRPO steps 1.4x faster on a CPU "
             "with bf16 units and learned the same, but moves a trained model's per-token log-probs by about 0.05 nats "
             "(docs/precision.md): dtype=bfloat16 takes it."
         )
-    return f"dtype=auto: float32 on {device.type} (no bfloat16 support there)."
+    return f"dtype=auto: float32 on {device_type} (no bfloat16 support there)."
 
 
 def resolve(dtype: str, master_dtype: str, device: torch.device, training: bool = True) -> Precision:

@@ -253,14 +253,11 @@ LOGP_PROBE = "Question: what is 17 + 25? Answer: 17 + 25 = 42. The quick brown f
 
 
 def precision_note(t: Any) -> None:
-    """What dtype=auto chose (with progress on); with 16-bit compute over float32 weights (one process), the policy's
-    log-probs of LOGP_PROBE under the run's compute dtype against float32, and a mean gap past cfg.logprob_error_bound
-    said on the run's first lines."""
+    """With 16-bit compute over float32 weights (one process), the policy's log-probs of LOGP_PROBE under the run's
+    compute dtype against float32; a mean gap past cfg.logprob_error_bound is said on the run's first lines."""
     from gcfamily.core.batch import Batch
 
     prec, cfg = t.precision, t.cfg
-    if cfg.dtype == "auto" and cfg.progress and t.is_main:
-        print(precision.auto_choice(prec.compute, t.device), file=sys.stderr, flush=True)
     if not (prec.mixed and prec.master == torch.float32) or t.dist is not None or not t.is_main:
         return
     policy = t.unwrapped_policy()

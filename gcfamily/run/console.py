@@ -1,4 +1,4 @@
-"""What a run says on the console (stderr) while it runs: its start (threads, the steps of `epochs`), lines above the
+"""What a run says on the console (stderr) while it runs: its start (threads, what dtype=auto chose, the steps of `epochs`), lines above the
 progress bar, the bar itself, and each phase longer than a few seconds (converting and loading the model, each
 evaluation as a bar over its prompts that shows the token its batch decodes); quiet with progress=false. The
 metrics go to the logger (gcfamily/run/logger.py); these lines are for a person.
@@ -13,14 +13,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gcfamily.config import Config
-from gcfamily.core import threads
+from gcfamily.core import precision, threads
 
 
-def announce(cfg: Config, is_main: bool, chosen: threads.Threads, n: int | None, max_steps: int) -> None:
-    """The start's console lines: the thread count and why (always when it ends bitwise equality), and the steps
-    that `epochs` passes take."""
+def announce(
+    cfg: Config, is_main: bool, chosen: threads.Threads, n: int | None, max_steps: int, prec: precision.Precision
+) -> None:
+    """The start's console lines: the thread count and why (always when it ends bitwise equality), what dtype=auto
+    chose, and the steps that `epochs` passes take."""
     if is_main and (cfg.progress or "no longer bitwise" in chosen.reason):
         print(f"threads: {chosen.reason}.", file=sys.stderr)  # beside the progress bar; always in the metrics
+    if is_main and cfg.progress and cfg.dtype == "auto":
+        print(precision.auto_choice(prec.compute, prec.device_type), file=sys.stderr)
     if is_main and cfg.progress and cfg.epochs:
         given = f", max_steps={cfg.max_steps} given" if "max_steps" in cfg.explicit else ""
         print(

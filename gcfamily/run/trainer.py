@@ -153,7 +153,7 @@ class Trainer:
         self.saving.logger = self.logger
         self.folder.commit()
         self._first_row["time/start_s"] = time.perf_counter() - t0  # the model's conversion and loading, and the build
-        console.announce(cfg, self.is_main, self.threads, n, self.max_steps)
+        console.announce(cfg, self.is_main, self.threads, n, self.max_steps, self.precision)
         if self.folder.change is not None:
             self._log(self.step, {"settings_changed": 1.0})
 
