@@ -94,7 +94,7 @@ def keep_float32(model: nn.Module, components: Iterable[str]) -> int:
                 f"({', '.join(_NAMES.get(c, ('get_output_embeddings()',)))}); leave {c} out."
             )
         for m in mods:
-            if getattr(m, "gcf_float32", False):
+            if kept(m):
                 continue
             if any(p.dtype != torch.float32 for p in m.parameters()):
                 raise GcfError(f"float32_components={c} needs float32 weights (master_dtype=float32).")
