@@ -312,7 +312,10 @@ def test_float32_components_train_as_float32_and_refuse_what_they_cannot_keep(tm
     row = json.loads((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["rollout/logp_diff_max"] < 0.05 and abs(row["grpo/kl"]) < 1e-3
     for bad, said in (
-        (dict(float32_components="lm_head"), "float32_components='lm_head' is not one of attention, mlp, head"),
+        (
+            dict(float32_components="lm_head"),
+            "float32_components must be none or a comma-separated list of attention, mlp, head (got 'lm_head')",
+        ),
         (
             dict(float32_components="mlp", dtype="bfloat16", master_dtype="bfloat16"),
             "master_dtype=bfloat16 has no float32 weights",

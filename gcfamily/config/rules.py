@@ -36,6 +36,14 @@ def real(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool =
     return ok
 
 
+def names_in(*names: str) -> Callable[[Any], bool]:
+    """A list of `names`, or a comma-separated string of them; none or empty for no name."""
+    return lambda v: all(
+        isinstance(s, str) and s.strip() in ("", "none", *names)
+        for s in (v.split(",") if isinstance(v, str) else v if isinstance(v, list) else [None])
+    )
+
+
 def holds_non_finite(value: Any, limit: int = 100_000) -> bool:
     """Whether a list, tuple, set or dict holds a NaN or infinite float anywhere (looking at most at `limit` values; the
     YAML bounds in config/io.py keep a setting far smaller)."""

@@ -15,6 +15,7 @@ from gcfamily.config.rules import (
     MAX_SAMPLED_TOKENS,
     MAX_SEQUENCE_TOKENS,
     holds_non_finite,
+    names_in,
     range_checks,
     real,
     require,
@@ -61,7 +62,9 @@ class Config(DataSettings):
     logprob_error_bound: float = setting(0.01, real(0, lo_open=True), "> 0 nats")
     """With 16-bit compute over float32 weights, the run measures its policy's log-probs of a probe text under dtype
     against float32 at the start; a mean gap past this (nats a token) is said on its first lines (docs/precision.md)."""
-    float32_components: str | list = "none"
+    float32_components: str | list = setting(
+        "none", names_in("attention", "mlp", "head"), "none or a comma-separated list of attention, mlp, head"
+    )
     """Components kept in float32 under dtype=bfloat16 (comma-separated: attention, mlp, head; none): their forwards
     compute as in a float32 run, the rest in bf16 (one process and DDP; docs/precision.md measures what each keeps)."""
     master_dtype: str = "float32"
