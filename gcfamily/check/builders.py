@@ -16,6 +16,7 @@ import torch
 from gcfamily.check.sampler import design_sampler, sampled
 from gcfamily.check.second import critic_check
 from gcfamily.check.textbook import (
+    NORMALISED,
     PIVOT,
     Textbook,
     _aggregate,
@@ -240,9 +241,13 @@ def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None,
     if not tb or tb["loss"] not in PIVOT:
         return
     for k, (w, l) in enumerate(pairs):
-        d = float(-(world.ref_offset[w] * world.loss_mask[w]).sum() + (world.ref_offset[l] * world.loss_mask[l]).sum())
+        n_w, n_l = (world.loss_mask[w].sum(), world.loss_mask[l].sum()) if tb["loss"] in NORMALISED else (1, 1)
+        d = float(
+            -(world.ref_offset[w] * world.loss_mask[w]).sum() / n_w
+            + (world.ref_offset[l] * world.loss_mask[l]).sum() / n_l
+        )
         target = (PIVOT[tb["loss"]](s) + (1 if k % 2 == 0 else -1) * (0.4 + 0.2 * k)) / s.beta  # d at the wanted margin
-        world.ref_offset[w, world.positions(w)[0]] += d - target
+        world.ref_offset[w, world.positions(w)[0]] += (d - target) * float(n_w)
 
 
 def build_pairs(

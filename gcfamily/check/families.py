@@ -77,10 +77,21 @@ PAIR_LOSSES = {
     ("SimPO", "SimPO"): "simpo",
     ("ORPO", "ORPO"): "orpo",
 }
+PL_ = M + "pair_losses."
+MARGIN_LOSSES = {"Hinge": "hinge", "RobustDPO": "robust-dpo", "EXOPair": "exo-pair", "DiscoPOP": "discopop"}
+REWARD_LOSSES = {"NCAPair": "nca-pair", "BCOPair": "bco-pair", "SPPOHard": "sppo-hard", "APOZero": "apo-zero"}
+REWARD_LOSSES["APODown"] = "apo-down"
+PAIR_LOSSES.update({("DPO", c): n for c, n in {**MARGIN_LOSSES, **REWARD_LOSSES}.items()})
+PAIR_LOSSES.update({("SigmoidNorm", "DPO"): "sigmoid-norm", ("SigmoidNorm", "IPO"): "ipo-norm"})
 PAIR_HOOKS = {
-    "rewards": {DPO_: "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""},
-    "pair_loss": {DPO_: "", M + "dpo.IPO": "", M + "dpo.ConservativeDPO": "", M + "dpo.SimPO": "", M + "orpo.ORPO": ""},
+    "rewards": {DPO_: "", M + "dpo.SimPO": "", M + "orpo.ORPO": "", PL_ + "SigmoidNorm": ""},
+    "pair_loss": {
+        **{d: "" for d in (DPO_, M + "dpo.IPO", M + "dpo.ConservativeDPO", M + "dpo.SimPO", M + "orpo.ORPO")},
+        **{PL_ + c: "" for c in MARGIN_LOSSES},
+    },
+    "pair_terms": {DPO_: "", **{PL_ + c: "" for c in REWARD_LOSSES}},
 }
+"""A loss of h_w and h_l each (pair_terms) is named by its pair_terms, a loss of the margin by its pair_loss."""
 FAMILIES: dict[str, Family] = {
     M + "kto.KTO": Family(
         "unpaired labels (KTO)",
@@ -106,7 +117,7 @@ FAMILIES: dict[str, Family] = {
             ("defaults", {}),
             (
                 "other beta and loss settings",
-                {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5},
+                {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5, "discopop_tau": 0.5},
             ),
         ],
         "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio) averaged over pairs",
@@ -272,11 +283,12 @@ def textbook_choices(cls: type[Method]) -> tuple[dict | None, str]:
         if known[where]:
             tb["advantage"] = known[where]
     if "pair_loss" in fam.hooks:
-        combo = (_short(_definer(cls, "rewards")), _short(_definer(cls, "pair_loss")))
+        loss_hook = "pair_terms" if _definer(cls, "pair_terms") != DPO_ else "pair_loss"
+        combo = (_short(_definer(cls, "rewards")), _short(_definer(cls, loss_hook)))
         if combo not in PAIR_LOSSES:
             return (
                 None,
-                f"{cls.__name__} pairs {combo[0]}'s rewards with {combo[1]}'s pair_loss, a loss the textbook does not state",
+                f"{cls.__name__} pairs {combo[0]}'s rewards with {combo[1]}'s {loss_hook}, a loss the textbook does not state",
             )
         tb["loss"] = PAIR_LOSSES[combo]
     if fam.clipped:

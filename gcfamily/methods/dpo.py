@@ -12,9 +12,11 @@ Layout: a pair is one example over two adjacent rows, chosen at 2i and rejected 
 example weight 1/2 so that Z counts pairs; micro-batches never split a pair, so chosen and
 rejected go through the policy in one forward.
 
-A variant overrides one of two hooks, which `coefficient`, `objective` and `metrics` all use:
-`rewards` (h per row and dh/dlogp_t) or `pair_loss` (loss per pair and dloss/dm). SimPO, which
-changes both the reward and the margin, overrides the two.
+A variant overrides one of three hooks, which `coefficient`, `objective` and `metrics` all use:
+`rewards` (h per row and dh/dlogp_t), `pair_loss` (loss per pair and dloss/dm, for a loss of the margin
+alone) or `pair_terms` (loss per pair and its derivatives in h_w and h_l, for a loss of each reward on its
+own: NCA, BCO, APO, SPPO in `pair_losses.py`). SimPO, which changes both the reward and the margin,
+overrides two.
 """
 
 from __future__ import annotations
@@ -254,15 +256,21 @@ class DPO(Method):
         """Loss per pair [P] and its derivative in the margin: -log sigmoid(m), -sigmoid(-m)."""
         return -F.logsigmoid(margin), -torch.sigmoid(-margin)
 
+    def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Loss per pair [P] and its derivatives in h_w and h_l: here a loss of the margin m = h_w - h_l (pair_loss),
+        so dloss/dh_w = dloss/dm and dloss/dh_l = -dloss/dm."""
+        loss, dloss = self.pair_loss(h_w - h_l)
+        return loss, dloss, -dloss
+
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         h, dh = self.rewards(batch, logps)
-        _, dloss = self.pair_loss(h[0::2] - h[1::2])  # [P]
-        dJ_dh = torch.stack([-dloss, dloss], 1).flatten()  # [B]: dm/dh is +1 on chosen, -1 on rejected
+        _, d_w, d_l = self.pair_terms(h[0::2], h[1::2])  # [P] each
+        dJ_dh = -torch.stack([d_w, d_l], 1).flatten()  # [B]: chosen at 2k, rejected at 2k+1
         return dJ_dh[:, None] * dh  # [B, L]
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         h, _ = self.rewards(batch, logps)
-        loss, _ = self.pair_loss(h[0::2] - h[1::2])
+        loss, _, _ = self.pair_terms(h[0::2], h[1::2])
         # [P]: a masked pair counts nowhere
         kept = batch.valid[0::2].to(loss.dtype) if batch.valid is not None else torch.ones_like(loss)
         return -(loss * kept).sum() / Z
@@ -270,7 +278,7 @@ class DPO(Method):
     def metrics(self, batch: Batch, logps: torch.Tensor, coef: torch.Tensor) -> dict[str, float]:
         h, _ = self.rewards(batch, logps)
         m = h[0::2] - h[1::2]  # [P]
-        loss, _ = self.pair_loss(m)
+        loss, _, _ = self.pair_terms(h[0::2], h[1::2])
         seq = (logps * batch.loss_mask).sum(-1)  # [B]
         return {
             "dpo/loss": float(loss.mean()),
