@@ -13,16 +13,14 @@ from typing import Any
 
 import torch
 
+from gcfamily.check.pair_textbook import NORMALISED, PIVOT, _pairs_textbook
 from gcfamily.check.sampler import design_sampler, sampled
 from gcfamily.check.second import critic_check
 from gcfamily.check.textbook import (
-    NORMALISED,
-    PIVOT,
     Textbook,
     _aggregate,
     _groups_textbook,
     _kept_textbook,
-    _pairs_textbook,
     _ppo_textbook,
     _process_textbook,
 )

@@ -120,7 +120,7 @@ FAMILIES: dict[str, Family] = {
                 {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5, "discopop_tau": 0.5},
             ),
         ],
-        "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio) averaged over pairs",
+        "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio, TRL's other loss types in check/pair_textbook.py) averaged over pairs",
         PAIR_HOOKS,
     ),
     PPO_: Family(
