@@ -5,6 +5,7 @@
 | DPO's rows laid out rejected-first | DPO.data | every pair case: the batch is the method's own data(), the textbook knows each pair by its rows' contents |
 | REINFORCE's EMA baseline drops its history | ReinforceBaseline.after_step | every case: three warm-up steps of different means before the checked one |
 | Z counted on one micro-batch, times their number | engine.normaliser | every case: micro-batches of unequal counts |
+| the constant normaliser (verl's seq-mean-token-sum-norm) divided by the batch size | engine.normaliser | dr-grpo's defaults: the check's C is not its sequence count |
 | the batch std (GRPO) or the whitening (PPO) of one rank only | GRPO._batch_std, ppo.whiten | "two simulated ranks": each rank's all_sum waits for the other's |
 | PPO's clipped value loss taking min instead of max | ppo.value_loss_terms | every one-rank PPO case: the critic's step against the clipped value loss |
 | the reward model's pairs rejected-first, or its step divided by rows | RewardModelTraining.data, .auxiliary_step | its defaults: the reward model's step against Bradley-Terry |
@@ -111,6 +112,22 @@ def test_a_normaliser_counted_on_one_micro_batch_is_caught(name: str, monkeypatc
     out = _run(name)
     assert out.branches["micro-batches of unequal counts"] == 2  # both seeds' micro-batches could tell
     _caught(name, "defaults", monkeypatch, (engine, "normaliser", one_micro_batch))
+
+
+def test_a_constant_normaliser_divided_by_the_batch_size_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's seq-mean-token-sum-norm (gcfamily's loss_norm=constant: the token sums over sequences * C): the constant
+    taken as the step's sequence count, so the sums are divided by the batch size twice (the confusion issue 47 names)."""
+    real = engine.normaliser
+
+    def by_batch_size(batches, mode, norm_constant=1.0, group=None):  # type: ignore[no-untyped-def]
+        batches = list(batches)
+        if mode != "constant":
+            return real(batches, mode, norm_constant, group)
+        n = real(batches, "sum", 1.0, group)  # the step's sequences
+        assert n != norm_constant  # else the plant would be the real thing
+        return real(batches, "sum", n, group)
+
+    _caught("dr-grpo", "defaults", monkeypatch, (engine, "normaliser", by_batch_size))
 
 
 # ----------------------------------------------------------------------------- two simulated ranks
