@@ -140,6 +140,7 @@ class Row:
     sets: str = ""  # gcfamily --set k=v ..., exactly as on the command line
     expect: str = "match"  # match: a supported row; differ: a control that must not match
     validated: bool = True  # False: gcfamily's validation refuses these settings (the row checks the algebra only)
+    float32: bool = False  # the case in float32 (TRL's alpha_divergence has no float64 path: its clamp table lacks it)
 
 
 MU2 = {"num_iterations": 2}  # TRL's mu: pi_old is computed and differs from pi
@@ -353,6 +354,83 @@ ROWS: list[Row] = [
     Row("dpo apo_down", "dpo", {"loss_type": ["apo_down"], "beta": 1.0}, "apo-down", "beta=1.0"),
     Row("dpo sigmoid_norm", "dpo", {"loss_type": ["sigmoid_norm"], "beta": 2.0}, "sigmoid-norm", "beta=2.0"),
     Row("dpo ipo (per-token means) as ipo-norm", "dpo", {"loss_type": ["ipo"], "beta": 0.1}, "ipo-norm", "beta=0.1"),
+    # f-DPO's divergences and LD-DPO's weights (gcfamily/methods/pair_shaping.py), on DPO and on the losses TRL shapes
+    Row(
+        "dpo f_divergence=forward_kl",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "f_divergence_type": "forward_kl"},
+        "dpo",
+        "beta=0.5 f_divergence=forward_kl",
+    ),
+    Row(
+        "dpo f_divergence=js_divergence",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "f_divergence_type": "js_divergence"},
+        "dpo",
+        "beta=0.5 f_divergence=js_divergence",
+    ),
+    Row(
+        "dpo f_divergence=alpha_divergence, alpha=0.3 (float32)",
+        "dpo",
+        {
+            "loss_type": ["sigmoid"],
+            "beta": 0.5,
+            "f_divergence_type": "alpha_divergence",
+            "f_alpha_divergence_coef": 0.3,
+        },
+        "dpo",
+        "beta=0.5 f_divergence=alpha_divergence f_alpha=0.3",
+        float32=True,
+    ),
+    Row(
+        "dpo ld_alpha=0.5",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "ld_alpha": 0.5},
+        "dpo",
+        "beta=0.5 ld_alpha=0.5",
+    ),
+    Row(
+        "dpo ld_alpha=0 with forward_kl",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "ld_alpha": 0.0, "f_divergence_type": "forward_kl"},
+        "dpo",
+        "beta=0.5 ld_alpha=0 f_divergence=forward_kl",
+    ),
+    Row(
+        "hinge f_divergence=js_divergence ld_alpha=0.3",
+        "dpo",
+        {"loss_type": ["hinge"], "beta": 1.0, "f_divergence_type": "js_divergence", "ld_alpha": 0.3},
+        "hinge",
+        "beta=1.0 f_divergence=js_divergence ld_alpha=0.3",
+    ),
+    Row(
+        "ipo (per-token means) f_divergence=forward_kl",
+        "dpo",
+        {"loss_type": ["ipo"], "beta": 0.1, "f_divergence_type": "forward_kl"},
+        "ipo-norm",
+        "beta=0.1 f_divergence=forward_kl",
+    ),
+    Row(
+        "sigmoid_norm ld_alpha=0.5 f_divergence=js_divergence",
+        "dpo",
+        {"loss_type": ["sigmoid_norm"], "beta": 2.0, "ld_alpha": 0.5, "f_divergence_type": "js_divergence"},
+        "sigmoid-norm",
+        "beta=2.0 ld_alpha=0.5 f_divergence=js_divergence",
+    ),
+    Row(
+        "nca_pair ld_alpha=0.5",
+        "dpo",
+        {"loss_type": ["nca_pair"], "beta": 1.0, "ld_alpha": 0.5},
+        "nca-pair",
+        "beta=1.0 ld_alpha=0.5",
+    ),
+    Row(
+        "discopop f_divergence=forward_kl",
+        "dpo",
+        {"loss_type": ["discopop"], "beta": 0.5, "f_divergence_type": "forward_kl"},
+        "discopop",
+        "beta=0.5 f_divergence=forward_kl",
+    ),
     Row(
         "dpo robust eps=0.1 = cdpo label_smoothing=-0.125 [refused]",
         "dpo",
@@ -424,6 +502,22 @@ ROWS: list[Row] = [
         {"loss_type": ["robust"], "beta": 0.1, "label_smoothing": 0.1},
         "cdpo",
         "beta=0.1 label_smoothing=0.1",
+        expect="differ",
+    ),
+    Row(
+        "control: dpo ld_alpha=0.5 as plain dpo",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "ld_alpha": 0.5},
+        "dpo",
+        "beta=0.5",
+        expect="differ",
+    ),
+    Row(
+        "control: dpo forward_kl as js_divergence",
+        "dpo",
+        {"loss_type": ["sigmoid"], "beta": 0.5, "f_divergence_type": "forward_kl"},
+        "dpo",
+        "beta=0.5 f_divergence=js_divergence",
         expect="differ",
     ),
     Row(
@@ -536,6 +630,9 @@ class _Accelerator:
 
     def reduce(self, x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return x
+
+    def autocast(self) -> Any:
+        return contextlib.nullcontext()
 
 
 def _bare(cls: type, args: Any) -> Any:
@@ -660,24 +757,30 @@ def trl_dpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     order = _pair_order(B)
     mask = case["loss_mask"][order]  # [B, L] TRL's completion_mask
     leaf = case["logps"].clone().requires_grad_(True)  # [B, L] gcfamily's layout
-    ref_sum = (case["ref"] * case["loss_mask"]).sum(-1)[order]  # [B]
 
-    def model(**kw: Any) -> types.SimpleNamespace:
-        labels = kw["labels"]
-        log_probs = (leaf[order] * mask)[:, 1:]  # [B, L-1]: TRL's fused head gives 0 where labels are -100
-        assert torch.equal(labels[:, 1:] != -100, mask[:, 1:].bool())
-        zeros = torch.zeros_like(log_probs).detach()
-        return types.SimpleNamespace(
-            log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
-        )
+    def stand_in(per_token: torch.Tensor) -> Any:
+        def model(**kw: Any) -> types.SimpleNamespace:
+            labels = kw["labels"]
+            log_probs = (per_token[order] * mask)[:, 1:]  # [B, L-1]: TRL's fused head gives 0 where labels are -100
+            assert torch.equal(labels[:, 1:] != -100, mask[:, 1:].bool())
+            zeros = torch.zeros_like(log_probs).detach()
+            return types.SimpleNamespace(
+                log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
+            )
+
+        return model
 
     inputs = {  # TRL's own batch: a dict of its keys
         "input_ids": case["ids"][order],
         "attention_mask": torch.ones_like(mask),
         "completion_mask": mask,
-        "ref_chosen_logps": ref_sum[: B // 2],
-        "ref_rejected_logps": ref_sum[B // 2 :],
     }
+    tr.ref_model = stand_in(case["ref"])
+    # pi_ref's sums as TRL precomputes them (its own compute_ref_log_probs: with ld_alpha, LD-weighted)
+    inputs["ref_chosen_logps"], inputs["ref_rejected_logps"] = DPOTrainer.compute_ref_log_probs(
+        tr, tr.ref_model, inputs
+    )
+    model = stand_in(leaf)
     loss = DPOTrainer._compute_loss(tr, model, inputs, return_outputs=False)
     loss.backward()
     return {"loss": float(loss.detach()), "grad": leaf.grad}
@@ -831,6 +934,8 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
             trl, gcf = trl_grpo(row, case, wd), gcf_grpo(row, case)
         else:
             case = pair_case(seed)
+            if row.float32:
+                case = {k: v.float() if v.is_floating_point() else v for k, v in case.items()}
             trl = (trl_dpo if row.kind == "dpo" else trl_simpo)(row, case, wd)
             gcf = gcf_pairs(row, case)
     res = {

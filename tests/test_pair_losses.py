@@ -188,3 +188,83 @@ def test_thirty_steps_separate_most_training_pairs(name: str, tmp_path) -> None:
     tr.run()
     after = accuracy()
     assert before < 0.3 and after > 0.7, (before, after)
+
+
+# ----------------------------------------------------------------------------- f-DPO's divergences, LD-DPO's weights
+
+
+@pytest.mark.parametrize(
+    "name, settings, says",
+    [
+        (
+            "dpo",
+            {"f_divergence": "chi2"},
+            "f_divergence=chi2 is not one of reverse_kl, forward_kl, js_divergence, alpha_divergence.",
+        ),
+        ("dpo", {"ld_alpha": 1.5}, "ld_alpha=1.5 must be in [0, 1] (1: DPO's weights; none: off)."),
+        ("simpo", {"ld_alpha": 0.5}, "simpo takes no ld_alpha: its reward is not DPO's sum of log-ratios."),
+        (
+            "nca-pair",
+            {"f_divergence": "forward_kl"},
+            "nca-pair takes f_divergence=reverse_kl only: its loss is of each completion's log-ratio itself (TRL "
+            "ignores f_divergence_type there) or of a reward of its own.",
+        ),
+        (
+            "online-dpo",
+            {"ld_alpha": 0.5},
+            "online-dpo takes neither f_divergence nor ld_alpha: they shape offline DPO's reward, as in TRL; leave "
+            "them unset.",
+        ),
+    ],
+)
+def test_shaping_settings_outside_their_domain_are_one_sentence(name: str, settings: dict, says: str) -> None:
+    with pytest.raises(GcfError) as e:
+        get_method(name).validate(Config(method=name, **settings))
+    assert str(e.value) == says
+
+
+def _shaped_run(name: str, label: str) -> check.Outcome:
+    cls = get_method(name)
+    return check.run_case(cls, label, dict(check.cases(cls))[label])
+
+
+def test_ld_weights_from_the_longer_completion_fail_gcf_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LD-DPO weighs the tokens past the SHORTER completion of the pair; measured from the longer one, nothing is
+    down-weighted, and the check's LD case (pairs of unequal lengths) says so."""
+    from gcfamily.methods import dpo
+
+    assert _shaped_run("dpo", "LD 0.5").ok
+
+    def from_longer(mask, ld_alpha):  # type: ignore[no-untyped-def]
+        if ld_alpha is None:
+            return mask
+        n = mask.sum(-1)
+        longer = torch.maximum(n[0::2], n[1::2]).repeat_interleave(2)
+        return mask * torch.where(mask.cumsum(-1) > longer[:, None], mask.new_tensor(ld_alpha), mask.new_tensor(1.0))
+
+    monkeypatch.setattr(dpo, "ld_weights", from_longer)
+    text, ok = check.report("dpo", get_method("dpo"), [_shaped_run("dpo", "LD 0.5")])
+    assert not ok and "FAILED (a) engine vs textbook" in text, text
+
+
+def test_a_score_of_the_wrong_divergence_fails_gcf_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward KL's score 1 - 1/t computed as js's (score and derivative consistent): only the textbook can tell."""
+    from gcfamily.methods import dpo, pair_shaping
+
+    label = "forward KL, LD 0.5"
+    assert _shaped_run("hinge", label).ok
+    real = pair_shaping.f_score
+    monkeypatch.setattr(dpo, "f_score", lambda d, f, a: real(d, "js_divergence" if f == "forward_kl" else f, a))
+    text, ok = check.report("hinge", get_method("hinge"), [_shaped_run("hinge", label)])
+    assert not ok and "FAILED (a) engine vs textbook" in text, text
+
+
+def test_dpo_with_a_divergence_and_ld_weights_trains(tmp_path) -> None:
+    out = tmp_path / "run"
+    args = ["run", "--method", "dpo", "--model", "tiny", "--max-steps", "2", "--output-dir", str(out)]
+    sets = ["f_divergence=alpha_divergence", "f_alpha=0.3", "ld_alpha=0.5", "progress=false"]
+    res = CliRunner().invoke(main, [*args, *(x for kv in sets for x in ("--set", kv))])
+    assert res.exit_code == 0, res.output
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["dpo/loss"] == pytest.approx(LOG2, rel=1e-5)  # every score is 0 at t = 1: m = 0
+    assert logged[0]["grad_norm"] > 0 and math.isfinite(logged[1]["dpo/loss"])

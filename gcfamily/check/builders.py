@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from gcfamily.check.pair_textbook import NORMALISED, PIVOT, _pairs_textbook
+from gcfamily.check.pair_design import _design_margins
+from gcfamily.check.pair_textbook import _pairs_textbook
 from gcfamily.check.sampler import design_sampler, sampled
 from gcfamily.check.second import critic_check
 from gcfamily.check.textbook import (
@@ -232,20 +233,6 @@ def build_ppo(
     textbook = None if tb is None else (lambda lp: _ppo_textbook(lp, raw, tb_stub, m, tb))
     second = None if ranks > 1 else (lambda mbs: critic_check(m, mbs, raw, tb_stub, gen))
     return Built(m, batch, textbook, stub.tau, parts if ranks > 1 else [], second)
-
-
-def _design_margins(world: World, pairs: list[tuple[int, int]], tb: dict | None, s: Any) -> None:
-    """pi_ref such that the pairs' margins lie on both sides of the loss's pivot (losses with a reference)."""
-    if not tb or tb["loss"] not in PIVOT:
-        return
-    for k, (w, l) in enumerate(pairs):
-        n_w, n_l = (world.loss_mask[w].sum(), world.loss_mask[l].sum()) if tb["loss"] in NORMALISED else (1, 1)
-        d = float(
-            -(world.ref_offset[w] * world.loss_mask[w]).sum() / n_w
-            + (world.ref_offset[l] * world.loss_mask[l]).sum() / n_l
-        )
-        target = (PIVOT[tb["loss"]](s) + (1 if k % 2 == 0 else -1) * (0.4 + 0.2 * k)) / s.beta  # d at the wanted margin
-        world.ref_offset[w, world.positions(w)[0]] += (d - target) * float(n_w)
 
 
 def build_pairs(

@@ -92,6 +92,13 @@ PAIR_HOOKS = {
     "pair_terms": {DPO_: "", **{PL_ + c: "" for c in REWARD_LOSSES}},
 }
 """A loss of h_w and h_l each (pair_terms) is named by its pair_terms, a loss of the margin by its pair_loss."""
+SHAPING = [
+    ("forward KL, LD 0.5", {"f_divergence": "forward_kl", "ld_alpha": 0.5}),
+    ("Jensen-Shannon", {"f_divergence": "js_divergence"}),
+    ("alpha divergence 0.3, LD 0", {"f_divergence": "alpha_divergence", "f_alpha": 0.3, "ld_alpha": 0.0}),
+]
+SHAPING += [("LD 0.5", {"ld_alpha": 0.5})]
+"""DPO's reward shaped by f-DPO's score and LD-DPO's weights, where the method takes them (methods/pair_shaping.py)."""
 FAMILIES: dict[str, Family] = {
     M + "kto.KTO": Family(
         "unpaired labels (KTO)",
@@ -119,6 +126,7 @@ FAMILIES: dict[str, Family] = {
                 "other beta and loss settings",
                 {"beta": 0.5, "label_smoothing": 0.3, "simpo_gamma": 1.0, "orpo_lambda": 0.5, "discopop_tau": 0.5},
             ),
+            *[(label, st) for label, st in SHAPING if accepts(c, st)],
         ],
         "the pair loss (DPO -log sigmoid, cDPO, IPO's square, SimPO's margin, ORPO's odds ratio, TRL's other loss types in check/pair_textbook.py) averaged over pairs",
         PAIR_HOOKS,

@@ -24,7 +24,7 @@ def _pair_loss(
     sigmoid(log odds_w - log odds_l) (Hong et al. 2024); d = sum_t log(pi/pi_ref), chosen minus rejected."""
     mean = (lp * mask).sum(-1) / mask.sum(-1)  # [B]
     if name in ("dpo", "cdpo", "ipo"):
-        tot = ((lp - ref) * mask).sum(-1)  # [B]
+        tot = _scores(_delta(s, lp, ref, mask, w, l), s, True)  # [B]
         d = tot[w] - tot[l]  # [P]
         beta = s.beta
         if name == "ipo":
@@ -44,6 +44,36 @@ def _pair_loss(
     return -mean[w] + s.orpo_lambda * F.softplus(-z), z
 
 
+def _delta(s: Any, lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, w: list[int], l: list[int]) -> torch.Tensor:
+    """Each row's completion log-ratio sum [B]; with ld_alpha (LD-DPO, Liu et al. 2024), the tokens of a completion
+    after the first min(|o_w|, |o_l|) of its pair count ld_alpha times."""
+    weight = mask.clone()
+    ld = getattr(s, "ld_alpha", None)
+    for i, j in zip(w, l):
+        keep = int(min(mask[i].sum(), mask[j].sum()))
+        for row in (i, j):
+            later = [t for t in range(mask.shape[1]) if mask[row, t] > 0][keep:]
+            if ld is not None:
+                weight[row, later] = ld
+    return ((lp - ref) * weight).sum(-1)
+
+
+def _scores(delta: torch.Tensor, s: Any, scored: bool) -> torch.Tensor:
+    """f-DPO (Wang et al. 2023): f'(t) at t = pi/pi_ref = e^delta for the f-divergence set (TRL's f_divergence_type:
+    reverse KL log t, forward KL 1 - 1/t, Jensen-Shannon log(2t/(1+t)), alpha (t^(a-1) - 1)/(a-1) with the exponent
+    clamped at 80); the log-ratio itself for the losses that do not read a score."""
+    f = getattr(s, "f_divergence", "reverse_kl") if scored else "reverse_kl"
+    a = getattr(s, "f_alpha", 0.5)
+    if f == "forward_kl":
+        return 1 - 1 / torch.exp(delta)
+    if f == "js_divergence":
+        t = torch.exp(delta)
+        return torch.log(2 * t / (1 + t))
+    if f == "alpha_divergence" and abs(a - 1) >= 1e-6:
+        return (torch.exp(torch.clamp((a - 1) * delta, max=80.0)) - 1) / (a - 1)
+    return delta
+
+
 TRL_PAIR_LOSSES = (
     "hinge",
     "robust-dpo",
@@ -57,6 +87,8 @@ TRL_PAIR_LOSSES = (
     "sigmoid-norm",
     "ipo-norm",
 )
+UNSCORED = ("nca-pair", "bco-pair", "sppo-hard", "apo-zero", "apo-down")
+"""Losses of each completion's log-ratio itself: TRL reads no f-divergence score for them."""
 NORMALISED = ("sigmoid-norm", "ipo-norm")
 """Losses whose Delta is each completion's mean log-ratio, not its sum."""
 
@@ -69,7 +101,7 @@ def _trl_pair_loss(
     softmax(m, 0) from (1 - e, e); DiscoPOP (Lu et al. 2024, eq. 5); NCA (Chen et al. 2024); BCO on pairs; SPPO hard
     (Wu et al. 2024, eq. 4.7); APO zero and down (D'Oosterlinck et al. 2024, eqs. 7-8); DPO and IPO on per-token mean
     log-ratios (TRL's sigmoid_norm and ipo). m = beta (Delta_w - Delta_l); the branch variable is m minus the pivot."""
-    delta = ((lp - ref) * mask).sum(-1)  # [B]
+    delta = _scores(_delta(s, lp, ref, mask, w, l), s, name not in UNSCORED)  # [B]
     if name in NORMALISED:
         delta = delta / mask.sum(-1)
     b, e = s.beta, getattr(s, "label_smoothing", 0.0)
@@ -121,4 +153,9 @@ def _pairs_textbook(
     loss, u = _pair_loss(tb["loss"], m.settings, lp_all, ref_all, world.loss_mask.double(), w, l)
     br["pairs above the loss's pivot"] += int((u.detach() > 0).sum())
     br["pairs below the loss's pivot"] += int((u.detach() < 0).sum())
-    return Textbook(-loss.sum() / len(pairs), br, {"pairs above the loss's pivot", "pairs below the loss's pivot"})
+    req = {"pairs above the loss's pivot", "pairs below the loss's pivot"}
+    if getattr(m.settings, "ld_alpha", None) is not None:  # LD-DPO's down-weighted tail occurs
+        n = world.loss_mask.sum(-1)
+        br["tokens past the pair's shorter completion (ld_alpha)"] += sum(abs(int(n[i]) - int(n[j])) for i, j in pairs)
+        req.add("tokens past the pair's shorter completion (ld_alpha)")
+    return Textbook(-loss.sum() / len(pairs), br, req)

@@ -34,6 +34,7 @@ from gcfamily.data.preferences import preference_rows
 from gcfamily.errors import GcfError
 from gcfamily.methods.base import Batch, Method, Stats, iter_chunks
 from gcfamily.methods.onpolicy import make_rewards, sampling_of
+from gcfamily.methods.pair_shaping import check_shaping, f_score, ld_weights
 from gcfamily.methods.pools import Pool, check_drawn_for, draw, pairs_of, pool_for
 from gcfamily.methods.services import Services
 
@@ -72,10 +73,23 @@ class DPO(Method):
         """pairs=own-samples: the pools/dpo-pairs.jsonl of an earlier run to pair exactly; none: draw at setup."""
         pool_prompts: int = 0
         """pairs=own-samples: training prompts to sample (a seeded choice); 0 = every training prompt."""
+        f_divergence: str = "reverse_kl"
+        """f-DPO's divergence (TRL's f_divergence_type; methods/pair_shaping.py): h = beta f'(pi(o)/pi_ref(o)), f'(t) =
+        log t (reverse_kl: DPO), 1 - 1/t (forward_kl), log(2t/(1+t)) (js_divergence), (t^(f_alpha-1) - 1)/(f_alpha-1)."""
+        f_alpha: float = 0.5
+        """f_divergence=alpha_divergence: its alpha (TRL's f_alpha_divergence_coef)."""
+        ld_alpha: Optional[float] = None
+        """LD-DPO (TRL's ld_alpha): the log-ratios of the tokens past the pair's shorter completion weigh ld_alpha."""
+
+    own_shaping = False
+    """Whether a subclass's own `rewards` applies f_divergence and ld_alpha (through `log_ratio` and `score`)."""
+    scored = True
+    """Whether h is beta times f_divergence's score of the log-ratio (False: of the log-ratio itself, as TRL's NCA)."""
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
         s = resolve_settings(cfg, cls).settings
+        check_shaping(cls, cfg, s, DPO.rewards)
         if s.beta <= 0:
             raise GcfError(f"{cfg.method} needs beta > 0 (got {s.beta}); 0.1 is usual for DPO.")
         if cfg.loss_norm not in (None, "sum"):
@@ -246,11 +260,23 @@ class DPO(Method):
         }
 
     # -- the rule --------------------------------------------------------------------
+    def log_ratio(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Delta = sum_t u_t log(pi/pi_ref) per row [B] and its derivative u_t [B, L]: u = 1 on the completion, and
+        with ld_alpha, ld_alpha on the tokens past the shorter completion of the pair (LD-DPO)."""
+        u = ld_weights(batch.loss_mask.to(logps.dtype), getattr(self.settings, "ld_alpha", None))  # [B, L]
+        return ((logps - batch.ref_logps) * u).sum(-1), u
+
+    def score(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """f-DPO's score f'(t) of t = e^Delta per row and its derivative in Delta (f_divergence)."""
+        f = getattr(self.settings, "f_divergence", "reverse_kl") if self.scored else "reverse_kl"
+        return f_score(delta, f, getattr(self.settings, "f_alpha", 1.0))
+
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Implicit reward h per row [B] and dh/dlogp_t [B, L]: h = beta * sum_t (logps - ref_logps)."""
-        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
-        h = self.settings.beta * ((logps - batch.ref_logps) * mask).sum(-1)  # [B]
-        return h, self.settings.beta * mask
+        """Implicit reward h per row [B] and dh/dlogp_t [B, L]: h = beta * f'(e^Delta) (score), Delta = sum_t
+        log(pi/pi_ref) over the completion (log_ratio); DPO's defaults give h = beta * Delta."""
+        delta, u = self.log_ratio(batch, logps)
+        f, df = self.score(delta)
+        return self.settings.beta * f, self.settings.beta * df[:, None] * u
 
     def pair_loss(self, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss per pair [P] and its derivative in the margin: -log sigmoid(m), -sigmoid(-m)."""

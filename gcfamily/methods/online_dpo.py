@@ -61,6 +61,10 @@ class OnlineDPO(DPO, OnPolicy):
                 f"{cls.name} refuses {given[0]}: its loss is one term per pair of whole sequences, with no per-token "
                 "term for the sampler ratio to weigh (TRL has no such correction for online DPO); leave tis off."
             )
+        if cfg.settings.f_divergence != "reverse_kl" or cfg.settings.ld_alpha is not None:
+            raise GcfError(
+                f"{cls.name} takes neither f_divergence nor ld_alpha: they shape offline DPO's reward, as in TRL; leave them unset."
+            )
         if cfg.group_size < 2:
             raise GcfError(f"{cls.name} needs group_size >= 2: a pair is the best and the worst of a prompt's samples.")
         if cfg.settings.pairs != "dataset":

@@ -121,6 +121,8 @@ class NCAPair(DPO):
     name = "nca-pair"
     gc_formula = "+beta*(sigmoid(-h_w) - sigmoid(h_w)/2) on chosen tokens, -beta*sigmoid(h_l)/2 on rejected"
 
+    scored = False  # h = beta * Delta: TRL's loss reads the log-ratios, not f_divergence's scores
+
     def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         loss = -F.logsigmoid(h_w) - 0.5 * F.logsigmoid(-h_w) - 0.5 * F.logsigmoid(-h_l)
         return loss, -torch.sigmoid(-h_w) + 0.5 * torch.sigmoid(h_w), 0.5 * torch.sigmoid(h_l)
@@ -133,6 +135,8 @@ class BCOPair(DPO):
     name = "bco-pair"
     gc_formula = "+beta*sigmoid(-h_w) on chosen tokens, -beta*sigmoid(h_l) on rejected"
 
+    scored = False  # h = beta * Delta: TRL's loss reads the log-ratios, not f_divergence's scores
+
     def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return -F.logsigmoid(h_w) - F.logsigmoid(-h_l), -torch.sigmoid(-h_w), torch.sigmoid(h_l)
 
@@ -143,6 +147,8 @@ class SPPOHard(DPO):
 
     name = "sppo-hard"
     gc_formula = "-2(h_w - 1/2)/beta on chosen tokens, -2(h_l + 1/2)/beta on rejected"
+
+    scored = False  # h = beta * Delta: TRL's loss reads the log-ratios, not f_divergence's scores
 
     def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b2 = self.settings.beta**2
@@ -156,6 +162,8 @@ class APOZero(DPO):
     name = "apo-zero"
     gc_formula = "+beta*sigmoid'(h_w) on chosen tokens, -beta*sigmoid'(h_l) on rejected"
 
+    scored = False  # h = beta * Delta: TRL's loss reads the log-ratios, not f_divergence's scores
+
     def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return 1 - torch.sigmoid(h_w) + torch.sigmoid(h_l), -_sig_prime(h_w), _sig_prime(h_l)
 
@@ -167,21 +175,27 @@ class APODown(DPO):
     name = "apo-down"
     gc_formula = "-beta*(sigmoid'(h_w) - sigmoid'(m)) on chosen tokens, -beta*sigmoid'(m) on rejected"
 
+    scored = False  # h = beta * Delta: TRL's loss reads the log-ratios, not f_divergence's scores
+
     def pair_terms(self, h_w: torch.Tensor, h_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m = h_w - h_l
         return torch.sigmoid(h_w) + 1 - torch.sigmoid(m), _sig_prime(h_w) - _sig_prime(m), _sig_prime(m)
 
 
 class SigmoidNorm(DPO):
-    """DPO on the per-token mean log-ratio (TRL `sigmoid_norm`): h = beta Delta / |o|, loss = -log sigmoid(m)."""
+    """DPO on the per-token mean log-ratio (TRL `sigmoid_norm`): h = beta Delta / |o|, loss = -log sigmoid(m)
+    (with f_divergence, beta f'(e^Delta) / |o|)."""
 
     name = "sigmoid-norm"
     gc_formula = "+(beta/|o_w|)*sigmoid(-m) on chosen tokens, -(beta/|o_l|)*sigmoid(-m) on rejected; h = beta*Delta/|o|"
 
+    own_shaping = True  # f_divergence's score of the (LD-weighted) log-ratio, then divided by the length, as TRL's
+
     def rewards(self, batch: Batch, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = batch.loss_mask.to(logps.dtype)  # [B, L]
-        dh = self.settings.beta * mask / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, L]
-        return (dh * (logps - batch.ref_logps)).sum(-1), dh
+        delta, u = self.log_ratio(batch, logps)  # [B], [B, L]
+        f, df = self.score(delta)
+        n = batch.loss_mask.to(logps.dtype).sum(-1).clamp(min=1)  # [B] the completion's length
+        return self.settings.beta * f / n, (self.settings.beta * df / n)[:, None] * u
 
 
 class IPONorm(SigmoidNorm, IPO):
