@@ -300,6 +300,27 @@ ROWS: list[Row] = [
         "mu=2 beta=0 std_eps=1e-4 epsilon=3e-4 epsilon_high=4e-4 loss_norm=sum",
     ),
     Row(
+        "grpo mask_truncated_completions=True",
+        "grpo",
+        {"loss_type": "grpo", "mask_truncated_completions": True, "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none mask_truncated=true",
+    ),
+    Row(
+        "dapo mask_truncated_completions=True",
+        "grpo",
+        {"loss_type": "dapo", "mask_truncated_completions": True, **MU2},
+        "dapo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon_high=0.2 mask_truncated=true",
+    ),
+    Row(
+        "dr_grpo mask_truncated_completions=True",
+        "grpo",
+        {"loss_type": "dr_grpo", "mask_truncated_completions": True, **MU2},
+        "dr-grpo",
+        f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN} mask_truncated=true",
+    ),
+    Row(
         "grpo delta=1.5 [subclass]",
         "grpo",
         {"loss_type": "grpo", "delta": 1.5, "beta": 0.04, **MU2},
@@ -481,7 +502,7 @@ ROWS: list[Row] = [
         expect="differ",
     ),
     Row(
-        "control: grpo mask_truncated_completions=True (no setting)",
+        "control: grpo mask_truncated_completions=True without the setting",
         "grpo",
         {"loss_type": "grpo", "mask_truncated_completions": True, **MU2},
         "grpo",
@@ -876,6 +897,7 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
         loss_mask=loss_mask,
         rewards=case["rewards"].clone(),
         valid=torch.ones(B, dtype=torch.bool),
+        truncated=~case["ends"],  # [B] no EOS within the budget (the rollout's flag)
     )
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])

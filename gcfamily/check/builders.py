@@ -29,6 +29,7 @@ from gcfamily.check.world import (
     FAILED,
     FAR,
     REWARDS,
+    TRUNCATED,
     WARMUP,
     Collective,
     G,
@@ -124,7 +125,11 @@ def _scored(world: World, rewards: list[float], stub: StubServices) -> Batch:
     """The step's N sampled rows as the rollout gives them: rewards (one failed), and the sampler's log-probs."""
     valid = torch.ones(N, dtype=torch.bool)
     valid[FAILED] = False
-    rows = world.rows(range(N)).replaced(rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G)
+    truncated = torch.zeros(N, dtype=torch.bool)
+    truncated[list(TRUNCATED)] = True
+    rows = world.rows(range(N)).replaced(
+        rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G, truncated=truncated
+    )
     return sampled(rows, stub)
 
 

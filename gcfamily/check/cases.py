@@ -52,6 +52,8 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     return [
         ("defaults", {}),
         ("clip and KL", {"mu": 2, "beta": beta}),
+        ("truncated samples masked, clip and KL", {"mask_truncated": True, "mu": 2, "beta": beta}),
+        ("truncated samples masked, token", {"mask_truncated": True, "loss_norm": "token"}),
         (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
         (
             "minibatches, k1, batch std",

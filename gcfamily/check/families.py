@@ -188,6 +188,7 @@ FAMILIES: dict[str, Family] = {
                 {"std": "population", "std_eps": 1e-3, "zero_std": "exclude", "loss_norm": "token"},
             ),
             ("minibatches, k1, sum", {"num_minibatches": 2, "beta": 0.04, "kl_estimator": "k1", "loss_norm": "sum"}),
+            ("truncated samples masked, clip and KL", {"mask_truncated": True, "mu": 2, "beta": 0.04}),
             ("sampler correction token_mask, clip", {**TIS["token_mask"], "mu": 2}),
             ("multi-turn episodes, clip and KL", {EPISODES: True, "mu": 2, "beta": 0.04}),
         ],

@@ -46,7 +46,7 @@ def gmpo_terms(
     (the aggregate weighs a row by the sum of its tokens' weights). Counts the log ratios clipped on each side."""
     l, sgn = lp - old, torch.sign(A).expand_as(lp)
     lt = sgn * torch.minimum(sgn * l, sgn * torch.clamp(l, -lo, hi))
-    rho = torch.exp((lt * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))  # [B, 1]
+    rho = torch.exp((lt * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))  # [B, 1]
     ld = l.detach()
     br["tokens with log r past eps_high, A > 0 (clipped)"] += int(((sgn > 0) & (ld > hi) & on).sum())
     br["tokens with log r below -eps_low, A < 0 (clipped)"] += int(((sgn < 0) & (ld < -lo) & on).sum())

@@ -21,8 +21,8 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, 
     if norm == "token":
         return (per_token * m).sum() / m.sum()
     n = rows.sum()
-    if norm == "sequence":
-        return ((per_token * m).sum(-1) / mask.sum(-1)).sum() / n
+    if norm == "sequence":  # a row with no token left (a masked truncated one) adds 0 and still counts
+        return ((per_token * m).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
     return (per_token * m).sum() / (n * (C if norm == "constant" else 1.0))
 
 
@@ -93,7 +93,7 @@ def _clip_terms(
     lo, hi = s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
     log_r = lp - old  # [B, L]
     if tb["ratio"] == "sequence":
-        r = torch.exp((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(lp)
+        r = torch.exp((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(lp)
     else:
         r = torch.exp(log_r)
     if tb.get("surrogate") == "cispo":
@@ -222,6 +222,8 @@ def _groups_textbook(
         stub.logprobs(stub.ref, raw, stub.tau).double() if s.beta > 0 else None,
     )
     br = Counter({"failed rewards": int((~valid).sum())})
+    cut = _truncated_off(s, raw, valid, br)
+    mask = mask * ~cut[:, None]  # TRL's mask_truncated_completions: no token trains, the reward stays
     shifts = torch.zeros(N, dtype=torch.float64)  # what joins each warm-up sample's reward (the KL below)
     in_reward = ref is not None and s.kl_placement == "reward"
     if in_reward:  # -beta * sum_t KL_t at pi_old joins each sample's reward (k1 unless set)
@@ -244,7 +246,15 @@ def _groups_textbook(
     req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward, tb)
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
+    req |= {"truncated samples masked, their rewards kept"} if cut.any() else set()
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
+
+
+def _truncated_off(s: Any, raw: Batch, valid: torch.Tensor, br: Counter) -> torch.Tensor:
+    """[N] the valid samples whose tokens mask_truncated takes out of the loss (none unless it is set)."""
+    cut = raw.truncated.bool() & valid if getattr(s, "mask_truncated", False) else torch.zeros_like(valid)
+    br["truncated samples masked, their rewards kept"] += int(cut.sum())
+    return cut
 
 
 def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: Method, tb: dict) -> Textbook:
@@ -258,6 +268,8 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     R, at = raw.step_rewards.double(), raw.step_mask.bool()
     A, equal = torch.zeros(R.shape, dtype=torch.float64), torch.zeros(len(R), dtype=torch.bool)
     br = Counter({"failed rewards": int((~valid).sum())})
+    cut = _truncated_off(s, raw, valid, br)
+    mask = mask * ~cut[:, None]  # tokens out, step rewards kept in the group's statistics
     sample = s.std == "sample"
     for g in range(len(R) // G):
         steps = [(i, t) for i in range(g * G, (g + 1) * G) if valid[i] for t in range(R.shape[1]) if at[i, t]]
@@ -281,6 +293,7 @@ def _process_textbook(lp_all: torch.Tensor, raw: Batch, stub: StubServices, m: M
     req = {"failed rewards", "tokens with A > 0", "tokens with A < 0", "equal-reward groups"}
     req |= {"outputs with several steps", "valid outputs with no step"} | _clip_required(s, several, False)
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" else set()
+    req |= {"truncated samples masked, their rewards kept"} if cut.any() else set()
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
 
 

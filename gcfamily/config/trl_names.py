@@ -160,10 +160,28 @@ TRL_NAMES: dict[str, Spelling] = {
     "epsilon": Spelling("epsilon"),
     "epsilon_high": Spelling("epsilon_high"),
     "scale_rewards": Spelling("scale_rewards"),
-    "mask_truncated_completions": Spelling(None, note="see docs/trl-mapping.md"),
+    "mask_truncated_completions": Spelling(
+        "mask_truncated", "true", note="of the GRPO family: no token of a truncated completion trains, its reward stays"
+    ),
     "sync_ref_model": Spelling("ref_refresh_every", note="a fresh reference every ref_refresh_every steps"),
     "ref_model_sync_steps": Spelling("ref_refresh_every"),
-    "label_smoothing": Spelling("label_smoothing", note="of --method cdpo"),
+    "label_smoothing": Spelling(
+        "label_smoothing", note="of --method robust-dpo (TRL's robust) and exo-pair; --method cdpo is Mitchell's cDPO"
+    ),
+    "f_divergence_type": Spelling(
+        "f_divergence",
+        note="reverse_kl, forward_kl, js_divergence or alpha_divergence, of dpo and the losses TRL shapes",
+    ),
+    "f_alpha_divergence_coef": Spelling("f_alpha"),
+    "ld_alpha": Spelling("ld_alpha", note="LD-DPO's weight of the tokens past the pair's shorter completion"),
+    "discopop_tau": Spelling("discopop_tau", note="of --method discopop"),
+    "simpo_gamma": Spelling("simpo_gamma", note="of --method simpo"),
+    "use_weighting": Spelling(
+        None,
+        note="WPO's weights need each position's sum of squared probabilities over the vocabulary, which the engine "
+        "does not compute",
+    ),
+    "loss_weights": Spelling(None, note="see docs/trl-mapping.md"),
 }
 """TRL argument -> gcfamily's spelling."""
 

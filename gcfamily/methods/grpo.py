@@ -60,6 +60,10 @@ class GRPO(ClippedOnPolicy):
         processes), or by nothing (none: Dr. GRPO's and grpo-shift's advantage)."""
         std_eps: float = 0.0
         """Added to the std before dividing (TRL adds 1e-4); 0 divides by the std itself."""
+        mask_truncated: bool = False
+        """TRL's mask_truncated_completions (DAPO's overlong filtering): a completion that hit max_new_tokens without
+        EOS or a stop string trains no token, but its reward stays in its group's mean and std, and in Z it counts as
+        the aggregation says (a sequence in sequence / sum / constant, no tokens in token)."""
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -133,12 +137,15 @@ class GRPO(ClippedOnPolicy):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:
-        old = self.old_and_ref_logps(batch)  # [N, L] or None
         stats: Stats = {}
+        if self.settings.mask_truncated and batch.truncated is not None:  # before every term that reads the mask
+            batch.loss_mask = batch.loss_mask * ~batch.truncated[:, None]
+            stats[f"{self.metric_prefix}/masked_truncated"] = float(batch.truncated.sum())
+        old = self.old_and_ref_logps(batch)  # [N, L] or None
         if self.settings.kl_placement == "reward" and self.ref is not None:
             kl = self.kl_reward(batch.ref_logps, old) * batch.loss_mask  # [N, L]
             batch.kl_rewards = kl.sum(-1)  # [N] the sequence's KL estimate at pi_old
-            stats = {f"{self.metric_prefix}/kl_reward_mean": float(batch.kl_rewards.mean())}
+            stats[f"{self.metric_prefix}/kl_reward_mean"] = float(batch.kl_rewards.mean())
         batch, more = self.add_advantages(batch)
         return batch, {**stats, **more, **self.prepared_mismatch(batch)}  # the mismatch: here when pi_old was computed
 

@@ -138,6 +138,7 @@ class OnPolicy(Method):
             valid=valid,  # [N]
             prompt_index=ro.prompt_index.cpu(),  # [N]
             completions=ro.completions,
+            truncated=ro.truncated.cpu(),  # [N]
         )
         if (
             self.reads_steps and got.episodes is not None
