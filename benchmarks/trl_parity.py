@@ -320,6 +320,23 @@ ROWS: list[Row] = [
         "dr-grpo",
         f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN} mask_truncated=true",
     ),
+    Row("vespo", "grpo", {"loss_type": "vespo", **MU2}, "vespo", "mu=2 std_eps=1e-4"),
+    Row(
+        "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
+        "grpo",
+        {
+            "loss_type": "vespo",
+            "vespo_k_pos": 1.5,
+            "vespo_lambda_pos": 2.5,
+            "vespo_k_neg": 2.5,
+            "vespo_lambda_neg": 1.5,
+            "beta": 0.04,
+            **MU2,
+        },
+        "vespo",
+        "mu=2 std_eps=1e-4 k_pos=1.5 lambda_pos=2.5 k_neg=2.5 lambda_neg=1.5 beta=0.04 "
+        "kl_estimator=k3-importance-weighted kl_clamp=none",
+    ),
     Row(
         "grpo delta=1.5 [subclass]",
         "grpo",
@@ -499,6 +516,14 @@ ROWS: list[Row] = [
         {"loss_type": "dr_grpo", **MU2},
         "dr-grpo",
         "mu=2 beta=0 scale_rewards=group std_eps=1e-4",
+        expect="differ",
+    ),
+    Row(
+        "control: vespo with k and lambda of the other sign",
+        "grpo",
+        {"loss_type": "vespo", **MU2},
+        "vespo",
+        "mu=2 std_eps=1e-4 k_pos=3.0 lambda_pos=2.0 k_neg=2.0 lambda_neg=3.0",
         expect="differ",
     ),
     Row(

@@ -356,3 +356,56 @@ def test_rules_without_a_clip_refuse_its_settings_in_one_sentence(gcf, tmp_path,
                          "--output-dir", str(tmp_path / "run"), f"--set={setting}")  # fmt: skip
     assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
     assert f"{name} takes no epsilon or epsilon_high: " in err and err.strip().endswith("leave them unset.")
+
+
+# ============================================================================= VESPO
+
+
+def test_vespo_by_hand():
+    m = make("vespo", group_size=4, mu=2)  # k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2
+    batch, logps = one_row([2.0, 0.75], 1.0)  # w = 2 * 0.75 = 1.5
+    phi = math.exp(3) * 1.5**2 * math.exp(-3 * 1.5)  # e^lambda w^k e^(-lambda w), A >= 0
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([phi, phi])  # the same on every token: GC = phi A
+    batch, logps = one_row([2.0, 0.75], -0.5)
+    phi = math.exp(2) * 1.5**3 * math.exp(-2 * 1.5)  # A < 0: k 3, lambda 2
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-0.5 * phi] * 2)
+    batch, logps = one_row([1.0, 1.0], 1.0)  # on-policy: phi(1) = 1, REINFORCE with A
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("label", ["clip and KL", "minibatches, k1, batch std"])
+def test_gcf_check_passes_vespo(label: str):
+    out = run_case("vespo", label)
+    assert out.ok, check.report("vespo", get_method("vespo"), [out])[0]
+    assert out.branches["rows with A > 0 weighed phi != 1"] > 0 and out.branches["rows with A < 0 weighed phi != 1"] > 0
+
+
+def test_vespo_shape_on_the_wrong_advantage_sign_is_caught(monkeypatch: pytest.MonkeyPatch):
+    vespo = get_method("vespo")
+    real = vespo.gamma_weight
+
+    def swapped(self, batch, logps):  # the planted bug: A >= 0 weighed with the negative pair, and A < 0 the positive
+        return real(self, batch.replaced(advantages=-batch.advantages), logps)
+
+    text = caught("vespo", "clip and KL", monkeypatch, (vespo, "gamma_weight", swapped))
+    assert "FAILED (a) engine vs textbook" in text and "FAILED (a) engine vs own objective" not in text
+
+
+def test_vespo_two_steps(tmp_path):
+    rows = two_steps(tmp_path, "vespo", num_minibatches=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("vespo/phi_mean" in r and math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"epsilon": 0.3}, "vespo takes no epsilon, epsilon_high or dual_clip: its weight replaces the clip."),
+        ({"tis": "token_truncate"}, "vespo refuses tis=token_truncate: TRL folds the sampler's ratio into VESPO's"),
+        ({"lambda_neg": 0.0}, "Invalid setting: lambda_neg must be >= 1e-4."),
+    ],
+)
+def test_vespo_refusals_are_one_sentence(settings: dict, says: str):
+    with pytest.raises(GcfError) as e:
+        make("vespo", group_size=4, **settings)
+    assert str(e.value).startswith(says)

@@ -102,8 +102,14 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
         ),
         ("two simulated ranks, batch std", {RANKS: 2, **(batch if accepts(cls, batch) else {})}),
         ("multi-turn episodes, clip and KL, token", {EPISODES: True, "mu": 2, "beta": beta, "loss_norm": "token"}),
-        ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
-        ("sampler correction sequence_mask", TIS["sequence_mask"]),
+        *[  # where the rule takes the sampler correction (vespo folds it into its weight in TRL, and refuses it)
+            c
+            for c in (
+                ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
+                ("sampler correction sequence_mask", TIS["sequence_mask"]),
+            )
+            if accepts(cls, TIS["sequence_mask"])
+        ],
         *([("dual-clip 3, clip and KL", dual)] if accepts(cls, dual) else []),
         *([("clip both sides (eps 0.2, verl's), KL", both)] if not getattr(cls, "epsilon_below_one", True) else []),
     ]

@@ -59,6 +59,7 @@ def _short(q: str) -> str:
 
 
 SURROGATES = {M + "cispo.CISPO": "cispo", M + "gpg.GPG": "gpg", M + "gmpo.GMPO": "gmpo", M + "sapo.SAPO": "sapo"}
+SURROGATES[M + "vespo.VESPO"] = "vespo"
 """Rules whose own importance_ratio and clipped state a surrogate other than PPO's that the textbook restates."""
 CLIP_HOOKS = {
     "clip_range": {CLIP_: ""},

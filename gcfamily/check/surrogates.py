@@ -4,6 +4,7 @@ reached."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -13,6 +14,7 @@ STATED = {
     "gpg": "A log pi - beta KL_t, A = alpha (R - mean R), alpha = B / (B - M) (GPG)",
     "gmpo": "A exp(mean_t sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps, eps_high))) - beta KL_t (GMPO)",
     "sapo": "(4 / tau) sigmoid(tau (r - 1)) A - beta KL_t, tau = tau_pos if A > 0 else tau_neg (SAPO)",
+    "vespo": "sg(w^k e^(lambda (1 - w))) A log pi - beta KL_t, w the clamped sequence ratio, (k, lambda) by sgn A (VESPO)",
 }
 """What the textbook states for each surrogate, in a line (`gcf check` prints it in place of the family's)."""
 
@@ -68,3 +70,22 @@ def sapo_terms(r: torch.Tensor, A: torch.Tensor, s: object, on: torch.Tensor, br
     br["tokens with A > 0, r != 1 (gate at tau_pos)"] += int(((Ae > 0) & off & on).sum())
     br["tokens with A < 0, r != 1 (gate at tau_neg)"] += int(((Ae < 0) & off & on).sum())
     return 4 / tau * torch.sigmoid(tau * (r - 1)) * Ae
+
+
+def vespo_terms(
+    lp: torch.Tensor, old: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, s: object, on: torch.Tensor, br: Counter
+) -> torch.Tensor:
+    """VESPO (TRL 1.16's get_gamma_weights): sg(phi(w)) A log pi per token, w = exp of the row's sum of log r_t (each
+    within +-20, the sum within [log 1e-8, 20]), phi(w) = e^lambda w^k e^(-lambda w), (k, lambda) the positive pair
+    where A >= 0. Counts the rows weighed off 1 on each side of A."""
+    log_w = ((lp - old).detach().clamp(-20, 20) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # [B, 1]
+    nonneg = A >= 0
+    f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
+    k = torch.where(nonneg, f64(s.k_pos), f64(s.k_neg))  # type: ignore[attr-defined]
+    lam = torch.where(nonneg, f64(s.lambda_pos), f64(s.lambda_neg))  # type: ignore[attr-defined]
+    phi = torch.exp(lam) * torch.exp(log_w) ** k * torch.exp(-lam * torch.exp(log_w))
+    rows = on.any(-1, keepdim=True)
+    off = (phi - 1).abs() > 1e-9
+    br["rows with A > 0 weighed phi != 1"] += int(((A > 0) & off & rows).sum())
+    br["rows with A < 0 weighed phi != 1"] += int(((A < 0) & off & rows).sum())
+    return phi * A * lp

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gcfamily.check.surrogates import cispo_terms, gmpo_terms, sapo_terms
+from gcfamily.check.surrogates import cispo_terms, gmpo_terms, sapo_terms, vespo_terms
 from gcfamily.check.world import G, L, N, StubCritic, StubServices
 from gcfamily.methods.base import Batch, Method
 
@@ -102,6 +102,8 @@ def _clip_terms(
         per = gmpo_terms(lp, old, A, mask, lo, hi, on, br)
     elif tb.get("surrogate") == "sapo":
         per = sapo_terms(r, A, s, on, br)
+    elif tb.get("surrogate") == "vespo":
+        per = vespo_terms(lp, old, A, mask, s, on, br)
     elif tb.get("surrogate") == "gpg":  # GPG (Chu et al. 2025): A log pi, no ratio, no clip
         per = A * lp
     else:
@@ -151,6 +153,8 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
         req |= {"log r outside the clip on the side A keeps", "log r inside the clip, != 0"}
     elif several and (tb or {}).get("surrogate") == "sapo":
         req |= {"A > 0, r != 1 (gate at tau_pos)", "A < 0, r != 1 (gate at tau_neg)"}
+    elif several and (tb or {}).get("surrogate") == "vespo":
+        req |= {f"rows with A {x} 0 weighed phi != 1" for x in "<>"}
     elif several and (tb or {}).get("surrogate") != "gpg":
         req |= {"clipped low", "clipped high", "unclipped, r != 1"} | (
             {"in the band between eps and eps_high"} if lo != hi else set()

@@ -64,6 +64,7 @@ METHODS: dict[str, str] = {
     "gpg": "gcfamily.methods.gpg:GPG",
     "gmpo": "gcfamily.methods.gmpo:GMPO",
     "sapo": "gcfamily.methods.sapo:SAPO",
+    "vespo": "gcfamily.methods.vespo:VESPO",
     "reinforce-baseline": "gcfamily.methods.reinforce:ReinforceBaseline",
     "online-dpo": "gcfamily.methods.online_dpo:OnlineDPO",
     "kto": "gcfamily.methods.kto:KTO",
