@@ -320,6 +320,27 @@ ROWS: list[Row] = [
         "dr-grpo",
         f"mu=2 beta=0 scale_rewards=group std_eps=1e-4 max_new_tokens={MAX_LEN} mask_truncated=true",
     ),
+    Row(
+        "grpo off_policy_mask_threshold=0.0",
+        "grpo",
+        {"loss_type": "grpo", "off_policy_mask_threshold": 0.0, "beta": 0.04, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none off_policy_mask=0.0",
+    ),
+    Row(
+        "dapo off_policy_mask_threshold=0.02",
+        "grpo",
+        {"loss_type": "dapo", "off_policy_mask_threshold": 0.02, **MU2},
+        "dapo",
+        "mu=2 beta=0 std_eps=1e-4 epsilon_high=0.2 off_policy_mask=0.02",
+    ),
+    Row(
+        "vespo off_policy_mask_threshold=0.0",
+        "grpo",
+        {"loss_type": "vespo", "off_policy_mask_threshold": 0.0, **MU2},
+        "vespo",
+        "mu=2 std_eps=1e-4 off_policy_mask=0.0",
+    ),
     Row("vespo", "grpo", {"loss_type": "vespo", **MU2}, "vespo", "mu=2 std_eps=1e-4"),
     Row(
         "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
@@ -516,6 +537,14 @@ ROWS: list[Row] = [
         {"loss_type": "dr_grpo", **MU2},
         "dr-grpo",
         "mu=2 beta=0 scale_rewards=group std_eps=1e-4",
+        expect="differ",
+    ),
+    Row(
+        "control: grpo off_policy_mask_threshold=0.0 without the setting",
+        "grpo",
+        {"loss_type": "grpo", "off_policy_mask_threshold": 0.0, **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0",
         expect="differ",
     ),
     Row(

@@ -409,3 +409,37 @@ def test_vespo_refusals_are_one_sentence(settings: dict, says: str):
     with pytest.raises(GcfError) as e:
         make("vespo", group_size=4, **settings)
     assert str(e.value).startswith(says)
+
+
+# ============================================================================= the off-policy sequence mask (DeepSeek-V3.2)
+
+
+def test_off_policy_mask_by_hand():
+    m = make("grpo", group_size=4, mu=2, beta=0.0, off_policy_mask=0.1)
+    batch, logps = one_row([1.0, 1.0], -1.0)  # on-policy: A < 0 but the mean log(pi_sampler/pi) is 0 <= 0.1, kept
+    batch.sample_logps = logps.clone()
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([-1.0, -1.0])
+    batch.sample_logps = logps + torch.tensor([[0.1, 0.3]])  # mean 0.2 > 0.1 with A < 0: dropped
+    assert m.coefficient(batch, logps)[0].tolist() == [0.0, 0.0]
+    batch = batch.replaced(advantages=torch.tensor([1.0]))  # A > 0 is never dropped
+    assert m.coefficient(batch, logps)[0].tolist() == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("name", ["grpo", "cispo", "vespo", "ppo"])
+def test_gcf_check_passes_the_off_policy_mask(name: str):
+    out = run_case(name, "off-policy mask 0, clip and KL")
+    assert out.ok, check.report(name, get_method(name), [out])[0]
+    assert out.branches["rows with A < 0 dropped off-policy (mean KL > threshold)"] > 0
+    assert out.branches["rows with A < 0 kept (mean KL <= threshold)"] > 0
+
+
+def test_an_off_policy_mask_on_positive_advantages_is_caught(monkeypatch: pytest.MonkeyPatch):
+    real = ClippedOnPolicy.off_policy_keep
+
+    def on_positive(self, batch, logps):  # the planted bug: drops A > 0 rows instead of A < 0 ones
+        return real(self, batch.replaced(advantages=-batch.advantages), logps)
+
+    text = caught(
+        "grpo", "off-policy mask 0, clip and KL", monkeypatch, (ClippedOnPolicy, "off_policy_keep", on_positive)
+    )
+    assert "FAILED (a) engine vs textbook" in text and "FAILED (a) engine vs own objective" not in text

@@ -54,6 +54,7 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
         ("clip and KL", {"mu": 2, "beta": beta}),
         ("truncated samples masked, clip and KL", {"mask_truncated": True, "mu": 2, "beta": beta}),
         ("truncated samples masked, token", {"mask_truncated": True, "loss_norm": "token"}),
+        ("off-policy mask 0, clip and KL", {"off_policy_mask": 0.0, "mu": 2, "beta": beta}),
         (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
         (
             "minibatches, k1, batch std",

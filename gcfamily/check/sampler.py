@@ -41,6 +41,8 @@ def design_sampler(world: World, s: Any) -> None:
         else:
             d = [logs[(k + j) % len(logs)] for j in range(len(pos))]
             k += len(pos)
+        if getattr(s, "off_policy_mask", None) is not None and i % 2:  # odd rows far off-policy: the mask drops them
+            d = [x - 3.0 for x in d]
         world.sample_offset[i, pos] = torch.tensor(d, dtype=torch.float64)
 
 

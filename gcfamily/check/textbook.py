@@ -112,6 +112,7 @@ def _clip_terms(
         if dc is not None:  # dual-clip (Ye et al. 2020): for A < 0 the term is max(min(r A, clip(r) A), c A)
             per = torch.where(A < 0, torch.maximum(per, dc * A), per)
         _count_clip(tb, r, A, on, lo, hi, dc, br)
+    per = per * _off_policy_keep(s, lp, sample, A, mask, on, br)
     per = per * _sampler_weight(s, old, sample, mask, on & (A.expand_as(r) != 0), br)
     if ref is not None and s.beta > 0 and s.kl_placement == "loss":
         c = math.inf if s.kl_clamp is None else s.kl_clamp
@@ -121,6 +122,23 @@ def _clip_terms(
         br["KL past the clamp"] += int(((d.detach().abs() > c) & on).sum())
         br["KL within the clamp" if c < math.inf else "KL, no clamp"] += int(((d.detach().abs() <= c) & on).sum())
     return per
+
+
+def _off_policy_keep(
+    s: Any, lp: torch.Tensor, sample: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, on: torch.Tensor, br: Counter
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's get_off_policy_mask): a row's policy term is dropped where
+    A < 0 and (1/|o|) sum_t (log pi_sampler - log pi) > delta, pi held constant; 1 with the setting off."""
+    delta = getattr(s, "off_policy_mask", None)
+    if delta is None:
+        return torch.ones_like(lp)
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    kl = ((sample - lp.detach()) * mask).sum(-1, keepdim=True) / n  # [B, 1]
+    drop = (A < 0) & (kl > delta)  # [B, 1] or [B, L]
+    rows = on.any(-1, keepdim=True)
+    br["rows with A < 0 dropped off-policy (mean KL > threshold)"] += int((drop & rows).any(-1).sum())
+    br["rows with A < 0 kept (mean KL <= threshold)"] += int(((A < 0) & ~drop & rows).any(-1).sum())
+    return (~drop).double().expand_as(lp)
 
 
 def _count_clip(
@@ -160,6 +178,11 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
             {"in the band between eps and eps_high"} if lo != hi else set()
         )
         req |= {"past dual-clip's bound (A < 0, r > c)"} if getattr(s, "dual_clip", None) else set()
+    if getattr(s, "off_policy_mask", None) is not None:
+        req |= {
+            "rows with A < 0 dropped off-policy (mean KL > threshold)",
+            "rows with A < 0 kept (mean KL <= threshold)",
+        }
     if s.beta > 0 and s.kl_placement == "loss":
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:

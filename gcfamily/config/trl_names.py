@@ -163,6 +163,9 @@ TRL_NAMES: dict[str, Spelling] = {
     "mask_truncated_completions": Spelling(
         "mask_truncated", "true", note="of the GRPO family: no token of a truncated completion trains, its reward stays"
     ),
+    "off_policy_mask_threshold": Spelling(
+        "off_policy_mask", note="DeepSeek-V3.2's off-policy sequence mask, on every clipped on-policy rule"
+    ),
     "sync_ref_model": Spelling("ref_refresh_every", note="a fresh reference every ref_refresh_every steps"),
     "ref_model_sync_steps": Spelling("ref_refresh_every"),
     "label_smoothing": Spelling(

@@ -75,7 +75,7 @@ class CISPO(GRPO):
         old = self._old(batch, logps)
         lo, hi = self.clip_range()
         w = torch.exp(logps - old).clamp(1 - lo, 1 + hi).detach()  # sg(clip(r)): the weight carries no gradient
-        per_token = w * self.token_advantages(batch) * logps * self.sampler_correction(batch, old)  # [B, L]
+        per_token = w * self.token_advantages(batch) * logps * self.policy_weight(batch, logps)  # [B, L]
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J at A = 0: its KL term
         return self.aggregate(per_token * batch.loss_mask, batch, Z) + super().objective(kl_only, logps, Z)
 

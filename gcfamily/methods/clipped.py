@@ -108,6 +108,9 @@ class ClippedOnPolicy(OnPolicy):
         kl_clamp: Optional[float] = 20.0
         """|log(pi_ref/pi)| beyond this is clamped before exp, in the objective and GC alike (its gradient is 0 there),
         so rho never overflows; none clamps nothing (TRL's default)."""
+        off_policy_mask: Optional[float] = None
+        """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a sample with A < 0 whose mean
+        log(pi_sampler/pi) over its tokens exceeds this gets no policy-term gradient (its KL term stays); none is off."""
         dual_clip: Optional[float] = None
         """Dual-clip's c > 1 (verl's clip_ratio_c, OpenRLHF's dual_clip): for A < 0 the term is max(clipped surrogate,
         c A), no gradient where r > c; none is off (verl's default is 3.0, on; OpenRLHF's and TRL's is off)."""
@@ -207,7 +210,7 @@ class ClippedOnPolicy(OnPolicy):
     def coefficient(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
         adv = self.token_advantages(batch)  # [B, 1] or [B, L]
         ratio, factor = self.importance_ratio(batch, logps)  # [B, L]
-        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L], 1 with tis=off
+        c = self.policy_weight(batch, logps)  # [B, L], 1 with tis off and no off-policy mask
         if self.ratio_level == "sequence":  # the row's one clipped term carries every token's c: its mean (above)
             m = batch.loss_mask.to(c.dtype)
             c = ((c * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(c)
@@ -229,11 +232,28 @@ class ClippedOnPolicy(OnPolicy):
         per_token = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
         if self.settings.dual_clip is not None:  # max(., c A) for A < 0 only
             per_token = torch.where(adv < 0, torch.maximum(per_token, self.settings.dual_clip * adv), per_token)
-        per_token = per_token * self.sampler_correction(batch, self._old(batch, logps))
+        per_token = per_token * self.policy_weight(batch, logps)
         if self.kl_in_loss(batch):
             log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token - self.settings.beta * kl_value(self.kl_name, log_rho, log_r)
         return self.aggregate(per_token * batch.loss_mask, batch, Z)
+
+    def policy_weight(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        """[B, L], no gradient: what multiplies each token's policy term (never the KL term): the sampler correction
+        (tis) times the off-policy mask."""
+        return self.sampler_correction(batch, self._old(batch, logps)) * self.off_policy_keep(batch, logps)
+
+    def off_policy_keep(self, batch: Batch, logps: torch.Tensor) -> torch.Tensor:
+        """1 or 0 per row (or per token for per-token advantages) [B, 1]: 0 where A < 0 and the row's mean
+        log(pi_sampler/pi_now) is above off_policy_mask (the sampler's log-probs, or pi_old's where the batch has
+        none, as TRL without vLLM); 1 everywhere when the setting is off."""
+        delta = self.settings.off_policy_mask
+        if delta is None:
+            return torch.ones_like(logps[:, :1])
+        mask = batch.loss_mask.to(logps.dtype)
+        sampler = batch.sample_logps if batch.sample_logps is not None else self._old(batch, logps)
+        kl = ((sampler - logps.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        return ((self.token_advantages(batch) >= 0) | (kl <= delta)).to(logps.dtype)
 
     @staticmethod
     def _old(batch: Batch, logps: torch.Tensor) -> torch.Tensor:

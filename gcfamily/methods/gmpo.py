@@ -91,7 +91,7 @@ class GMPO(GRPO):
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         adv = batch.advantages.float()[:, None]  # [B, 1]
-        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L], 1 with tis=off
+        c = self.policy_weight(batch, logps)  # [B, L], 1 with tis=off
         per_seq = adv * self.sequence_ratio(batch, logps)  # [B, 1]
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J at A = 0: its KL term
         return self.aggregate(per_seq * batch.loss_mask * c, batch, Z) + super().objective(kl_only, logps, Z)

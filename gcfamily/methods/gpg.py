@@ -75,7 +75,7 @@ class GPG(GRPO):
         return torch.zeros_like(ratio * adv, dtype=torch.bool)
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
-        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L], 1 with tis=off
+        c = self.policy_weight(batch, logps)  # [B, L], 1 with tis=off
         per_token = self.token_advantages(batch) * logps * c * batch.loss_mask  # [B, L]
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J at A = 0: its KL term
         return self.aggregate(per_token, batch, Z) + super().objective(kl_only, logps, Z)

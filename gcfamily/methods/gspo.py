@@ -82,7 +82,7 @@ class GSPO(GRPO):
         per_seq = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv)  # [B]
         if self.settings.dual_clip is not None:  # dual-clip (clipped.py) on the sequence ratio: max(., c A) for A < 0
             per_seq = torch.where(adv < 0, torch.maximum(per_seq, self.settings.dual_clip * adv), per_seq)
-        c = self.sampler_correction(batch, self._old(batch, logps))  # [B, L] each token's TIS weight, 1 with tis=off
+        c = self.policy_weight(batch, logps)  # [B, L] each token's TIS weight, 1 with tis=off
         J = self.aggregate(per_seq[:, None] * mask * c, batch, Z)  # sequence i weighs sum_t w_t c_t
         if self.kl_in_loss(batch):
             log_rho = (batch.ref_logps - logps).clamp(-self.kl_clamp, self.kl_clamp)

@@ -79,7 +79,7 @@ class SAPO(GRPO):
         old = self._old(batch, logps)
         tau = self.gate_temperature(batch)
         gate = 4 / tau * torch.sigmoid(tau * (torch.exp(logps - old) - 1))  # [B, L]
-        per_token = gate * self.token_advantages(batch) * self.sampler_correction(batch, old)
+        per_token = gate * self.token_advantages(batch) * self.policy_weight(batch, logps)
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J at A = 0: its KL term
         return self.aggregate(per_token * batch.loss_mask, batch, Z) + super().objective(kl_only, logps, Z)
 

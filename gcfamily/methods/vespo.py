@@ -79,6 +79,7 @@ class VESPO(GRPO):
 
     def objective(self, batch: Batch, logps: torch.Tensor, Z: float) -> torch.Tensor:
         per_token = self.gamma_weight(batch, logps) * self.token_advantages(batch) * logps  # [B, L]
+        per_token = per_token * self.policy_weight(batch, logps)  # the off-policy mask (tis is refused)
         kl_only = batch.replaced(advantages=torch.zeros_like(batch.advantages))  # GRPO's J at A = 0: its KL term
         return self.aggregate(per_token * batch.loss_mask, batch, Z) + super().objective(kl_only, logps, Z)
 
