@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 import tempfile
@@ -1035,6 +1036,24 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
     return res
 
 
+def mixup_diff(alpha: float) -> float:
+    """Max |difference| between gcfamily's mix_reference and TRL's own SyncRefModelCallback._sync_target_model on two
+    random float64 modules of one layout."""
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    from gcfamily.methods.grpo import mix_reference
+
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3)).double()
+    ref = copy.deepcopy(policy)
+    for p in ref.parameters():
+        p.data.add_(torch.randn_like(p))
+    theirs = copy.deepcopy(ref)
+    mix_reference(ref, policy, alpha)
+    SyncRefModelCallback._sync_target_model(policy, theirs, alpha)
+    return max(float((a - b).detach().abs().max()) for a, b in zip(ref.parameters(), theirs.parameters()))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="random cases per row")
@@ -1077,6 +1096,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "GRPO cases reached (summed over rows and seeds; clips count tokens, or rows for a sequence ratio): "
         + ", ".join(f"{k} {v}" for k, v in cov.items())
     )
+    mix = mixup_diff(0.6)
+    print(
+        f"ref_model_mixup_alpha=0.6 (gcfamily's ref_mixup_alpha, mix_reference) vs TRL's SyncRefModelCallback: max |diff| {mix:.2e}"
+    )
+    failed += mix > 0.0  # the same float64 arithmetic: equal to the bit
     print(f"{len(rows) - failed} of {len(rows)} rows as expected" + ("" if not failed else f"; {failed} FAILED"))
     return 1 if failed else 0
 

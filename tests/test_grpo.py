@@ -413,3 +413,31 @@ def test_grpo_learns_a_simple_reward(tmp_path):
     Trainer(cfg).run()
     rewards = [json.loads(x)["reward/mean"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rewards[0] < 0.05 and sum(rewards[-2:]) / 2 > 0.2, rewards
+
+
+def test_a_mixed_reference_is_alpha_policy_plus_the_rest_of_the_old_reference(tmp_path):
+    """ref_mixup_alpha (TRL's ref_model_mixup_alpha): at a refresh step, every parameter of pi_ref becomes alpha * the
+    policy's + (1 - alpha) * its own, worked here from the two models' parameters (the policy moved by hand first: a
+    tiny random model's first GRPO steps have all-equal rewards and do not move it)."""
+    tr = Trainer(
+        Config(
+            method="grpo",
+            model="tiny",
+            task="arithmetic",
+            output_dir=str(tmp_path),
+            ref_refresh_every=2,
+            ref_mixup_alpha=0.25,
+            **FAST,
+        )
+    )
+    before = {k: v.detach().clone() for k, v in tr.method.ref.named_parameters()}
+    with torch.no_grad():
+        for p in tr.policy.parameters():
+            p.add_(torch.randn_like(p))
+    assert tr.method.after_step(1) == {"grpo/ref_refreshes": 0.0}  # not a refresh step: nothing moves
+    assert all(torch.equal(v, before[k]) for k, v in tr.method.ref.named_parameters())
+    assert tr.method.after_step(2) == {"grpo/ref_refreshes": 1.0}
+    policy = dict(tr.policy.named_parameters())
+    for k, v in tr.method.ref.named_parameters():
+        assert torch.allclose(v, 0.25 * policy[k].detach() + 0.75 * before[k], atol=1e-6, rtol=0), k
+        assert not torch.equal(v, before[k]) and not torch.equal(v, policy[k]), k

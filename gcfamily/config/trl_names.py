@@ -168,6 +168,9 @@ TRL_NAMES: dict[str, Spelling] = {
     ),
     "sync_ref_model": Spelling("ref_refresh_every", note="a fresh reference every ref_refresh_every steps"),
     "ref_model_sync_steps": Spelling("ref_refresh_every"),
+    "ref_model_mixup_alpha": Spelling(
+        "ref_mixup_alpha", note="pi_ref <- alpha * policy + (1 - alpha) * pi_ref at each refresh"
+    ),
     "label_smoothing": Spelling(
         "label_smoothing", note="of --method robust-dpo (TRL's robust) and exo-pair; --method cdpo is Mitchell's cDPO"
     ),

@@ -51,6 +51,9 @@ class GRPO(ClippedOnPolicy):
     class Settings(ClippedOnPolicy.Settings):
         ref_refresh_every: int = 0
         """Copy the policy into the reference every this many steps (0 = never)."""
+        ref_mixup_alpha: float = 1.0
+        """ref_refresh_every's update, TRL's ref_model_mixup_alpha: pi_ref's parameters become alpha * the policy's +
+        (1 - alpha) * their own (1: a copy)."""
         zero_std: str = "keep"
         """Groups whose rewards are all equal (advantage 0): keep their tokens in the normaliser, or exclude them."""
         std: str = "sample"
@@ -74,6 +77,11 @@ class GRPO(ClippedOnPolicy):
             [
                 (s.zero_std in ("keep", "exclude"), "zero_std must be keep or exclude"),
                 (s.ref_refresh_every >= 0, "ref_refresh_every must be >= 0"),
+                (0 < s.ref_mixup_alpha <= 1, "ref_mixup_alpha must be in (0, 1]"),
+                (
+                    s.ref_mixup_alpha == 1 or cfg.strategy != "fsdp2",
+                    "ref_mixup_alpha < 1 mixes whole parameters, which FSDP2 shards (not built); use strategy=ddp",
+                ),
                 (s.std in ("sample", "population"), "std must be sample or population"),
                 (s.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
                 (s.std_eps >= 0, "std_eps must be >= 0"),
@@ -155,7 +163,7 @@ class GRPO(ClippedOnPolicy):
         if self.ref is None or not K:
             return {}
         if step % K == 0:
-            self.ref.load_state_dict(self.services.policy().state_dict())
+            mix_reference(self.ref, self.services.policy(), self.settings.ref_mixup_alpha)
             self.ref_refreshes += 1
         return {f"{self.metric_prefix}/ref_refreshes": float(self.ref_refreshes)}
 
@@ -169,3 +177,15 @@ class GRPO(ClippedOnPolicy):
         self.ref_refreshes = int(state.get("ref_refreshes", 0))
         if "ref" in state and self.ref is not None:
             self.ref.load_state_dict(state["ref"])
+
+
+@torch.no_grad()
+def mix_reference(ref: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """pi_ref <- alpha * policy + (1 - alpha) * pi_ref, parameter by parameter (TRL's SyncRefModelCallback); alpha = 1
+    copies the whole state (buffers too)."""
+    if alpha == 1:
+        ref.load_state_dict(policy.state_dict())
+        return
+    for (name, r), (other, p) in zip(ref.named_parameters(), policy.named_parameters(), strict=True):
+        assert name == other, (name, other)  # pi_ref is a copy of the policy: one layout
+        r.mul_(1.0 - alpha).add_(p, alpha=alpha)
