@@ -212,8 +212,11 @@ MAPPING: dict[str, Union[Check, str]] = {
     "algorithm.adv_estimator=reinforce_plus_plus": "REINFORCE++ discounts token rewards and whitens over the batch's tokens; gcfamily's reinforce-baseline subtracts a moving-average baseline instead",
     "algorithm.adv_estimator=reinforce_plus_plus_baseline": "the group mean then a whitening over the batch's tokens (re-centred, token-weighted); gcfamily's scale_rewards=batch divides by the rewards' std, not re-centred per token",
     "algorithm.adv_estimator=remax": "ReMax subtracts the reward of a greedy rollout; gcfamily samples no greedy baseline",
-    "algorithm.adv_estimator=opo": "OPO's length-weighted group baseline is no gcfamily advantage",
-    "algorithm.adv_estimator=grpo_passk": "pass@k advantage (only the group's best sample gets it) is no gcfamily advantage",
+    "algorithm.adv_estimator=opo": Check("opo", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "opo"}),
+    "algorithm.adv_estimator=grpo_passk": Check("grpo-passk", GC, {"adv_estimator": "grpo_passk"}),
+    "algorithm.adv_estimator=grpo_passk, norm_adv_by_std_in_grpo=False": Check(
+        "grpo-passk", f"{GC} scale_rewards=none", {"adv_estimator": "grpo_passk", "norm_adv_by_std_in_grpo": False}
+    ),
     "algorithm.adv_estimator=gpg": (
         "gcfamily's gpg scales A = R - mean R by the paper's alpha = B / (samples with a gradient), verl's by B / (samples with a non-zero reward): checked against verl with --method gpg, its advantages differ by up to 0.37 on the check's case, so the row is the reason, not a match"
     ),
@@ -315,6 +318,10 @@ CONTROLS: dict[str, Check] = {
     "control: vanilla with verl's default clip_ratio_c=3.0 (dual clip) as grpo": Check(
         "grpo", GC, {"clip_ratio_c": 3.0}, "differ"
     ),
+    "control: opo as rloo (a plain leave-one-out baseline)": Check(
+        "rloo", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "opo"}, "differ"
+    ),
+    "control: grpo_passk as grpo": Check("grpo", GC, {"adv_estimator": "grpo_passk"}, "differ"),
     "control: gae with gcfamily ppo's default lam=0.95": Check(
         "ppo", "mu=2 beta=0", {"adv_estimator": "gae"}, "differ"
     ),
@@ -558,6 +565,8 @@ def run_verl(v: types.SimpleNamespace, check: Check, case: dict) -> dict[str, An
     else:
         kw = {"index": index, "config": None}
         kw.update({"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]} if "grpo" in s["adv_estimator"] else {})
+        if s["adv_estimator"] == "grpo_passk":  # it reads the switch from its config (an AlgoConfig; a dict's get here)
+            kw["config"] = {"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]}
     adv, _ = ca.get_adv_estimator_fn(s["adv_estimator"])(token_level_rewards=scores, response_mask=fmask, **kw)
     weights = None
     if s["rollout_is"] is not None:

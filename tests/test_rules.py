@@ -443,3 +443,68 @@ def test_an_off_policy_mask_on_positive_advantages_is_caught(monkeypatch: pytest
         "grpo", "off-policy mask 0, clip and KL", monkeypatch, (ClippedOnPolicy, "off_policy_keep", on_positive)
     )
     assert "FAILED (a) engine vs textbook" in text and "FAILED (a) engine vs own objective" not in text
+
+
+# ============================================================================= verl's pass@k and OPO advantages
+
+
+def test_grpo_passk_by_hand():
+    m = make("grpo-passk", group_size=4, std_eps=1e-6)
+    r = torch.tensor([[0.2, 0.9, 0.6, 0.1], [1.0, 0.0, 1.0, 0.0]])
+    valid = torch.tensor([[True, True, True, True], [True, True, True, True]])
+    adv = m.group_advantages(r, valid)
+    std = float(torch.tensor([0.2, 0.9, 0.6, 0.1]).std())  # the sample std, as torch.std
+    assert adv[0].tolist() == pytest.approx([0.0, (0.9 - 0.6) / (std + 1e-6), 0.0, 0.0])
+    assert adv[1].tolist() == [0.0, 0.0, 0.0, 0.0]  # two best samples tie: the gap is 0
+    valid[0, 1] = False  # the best failed: the next best gets the gap to the third
+    adv = m.group_advantages(r, valid)
+    std = float(torch.tensor([0.2, 0.6, 0.1]).std())
+    assert adv[0].tolist() == pytest.approx([0.0, 0.0, (0.6 - 0.2) / (std + 1e-6), 0.0])
+
+
+def test_opo_by_hand():
+    m = make("opo", group_size=3)
+    m.lengths = torch.tensor([[1.0, 3.0, 4.0]])
+    r = torch.tensor([[1.0, 0.0, 0.5]])
+    b = (1 * 1.0 + 3 * 0.0 + 4 * 0.5) / 8  # the length-weighted mean reward
+    assert m.group_advantages(r, torch.ones(1, 3, dtype=torch.bool))[0].tolist() == pytest.approx([1 - b, -b, 0.5 - b])
+
+
+@pytest.mark.parametrize("name", ["grpo-passk", "opo"])
+def test_gcf_check_passes_the_estimators(name: str):
+    out = run_case(name, "clip and KL")
+    assert out.ok, check.report(name, get_method(name), [out])[0]
+
+
+def test_passk_to_the_second_best_sample_is_caught(monkeypatch: pytest.MonkeyPatch):
+    cls = get_method("grpo-passk")
+    real = cls.group_advantages
+
+    def to_the_worst(self, rewards, valid):  # the planted bug: the gap given to the worst sample, not the best
+        adv = real(self, rewards, valid)
+        return torch.where(adv != 0, 0.0, adv) + adv.sum(-1, keepdim=True) * (
+            rewards == rewards.min(-1, keepdim=True).values
+        )
+
+    text = caught("grpo-passk", "clip and KL", monkeypatch, (cls, "group_advantages", to_the_worst))
+    assert "FAILED (a) engine vs textbook" in text
+
+
+def test_opo_with_an_unweighted_baseline_is_caught(monkeypatch: pytest.MonkeyPatch):
+    cls = get_method("opo")
+
+    def unweighted(self, batch):  # the planted bug: every length 1, OPO's baseline becomes the plain mean
+        G = self.cfg.group_size
+        self.lengths = torch.ones(batch.rows // G, G, dtype=torch.float64)
+        return GRPO.add_advantages(self, batch)
+
+    monkeypatch.setattr(cls, "add_advantages", unweighted)
+    out = run_case("opo", "clip and KL")
+    text, ok = check.report("opo", cls, [out])
+    assert not ok and "FAILED (a) engine vs textbook" in text, text
+
+
+@pytest.mark.parametrize("name", ["grpo-passk", "opo"])
+def test_the_estimators_two_steps(tmp_path, name: str):
+    rows = two_steps(tmp_path, name)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

@@ -49,6 +49,17 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
     batch = {"scale_rewards": "batch", "std": "sample"}  # the step's std is a sum over the ranks
     dual = {"mu": 2, "beta": beta, "dual_clip": 3.0}  # where the method takes it (cispo has no bound to add)
     both = {"mu": 2, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.2}  # a weight clipped below too (cispo, as verl)
+    return [case for case in _group_cases(cls, beta, iw, excl, batch, dual, both) if _takes(cls, case[1])]
+
+
+def _takes(cls: type[Method], settings: dict) -> bool:
+    """Whether the method takes a case's settings (opo refuses a std scale, for one): a case it refuses is not its."""
+    return accepts(cls, {k: v for k, v in settings.items() if k not in (RANKS, EPISODES)})
+
+
+def _group_cases(
+    cls: type[Method], beta: float, iw: bool, excl: bool, batch: dict, dual: dict, both: dict
+) -> list[tuple[str, dict]]:
     return [
         ("defaults", {}),
         ("clip and KL", {"mu": 2, "beta": beta}),
@@ -107,7 +118,12 @@ def group_cases(cls: type[Method]) -> list[tuple[str, dict]]:
             c
             for c in (
                 ("sampler correction token_truncate, clip and KL", {**TIS["token_truncate"], "mu": 2, "beta": beta}),
-                ("sampler correction sequence_mask", TIS["sequence_mask"]),
+                # per row: its three branches need three rows with an advantage; grpo-passk gives two a gradient
+                *(
+                    []
+                    if getattr(cls, "one_row_per_group", False)
+                    else [("sampler correction sequence_mask", TIS["sequence_mask"])]
+                ),
             )
             if accepts(cls, TIS["sequence_mask"])
         ],

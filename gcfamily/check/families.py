@@ -168,9 +168,11 @@ FAMILIES: dict[str, Family] = {
                 M + "grpo_variants.RLOO": "leave-one-out",
                 M + "gpg.GPG": "gpg",
                 RB_: "running baseline",
+                M + "group_estimators.GRPOPassK": "pass@k",
+                M + "group_estimators.OPO": "opo",
             },
             "equal_reward_groups": {GRPO_: "", RB_: ""},
-            "add_advantages": {GRPO_: ""},
+            "add_advantages": {GRPO_: "", M + "group_estimators.OPO": ""},  # OPO's reads the lengths first
             "token_advantages": {GRPO_: ""},
             "prepare": {GRPO_: ""},
             "after_step": {GRPO_: "", RB_: ""},

@@ -187,11 +187,13 @@ def _clip_required(s: Any, several: bool, br_kl_reward: bool, tb: dict | None = 
         req |= {"KL within the clamp", "KL past the clamp"} if s.kl_clamp is not None else {"KL, no clamp"}
     if br_kl_reward:
         req |= {"KL in the reward"}
+    if (tb or {}).get("advantage") == "pass@k":  # no advantage is ever < 0: nothing can clip low or meet A < 0's bounds
+        req = {x for x in req if "A < 0" not in x and x != "clipped low" and "dual-clip" not in x}
     return req | _sampler_required(s)
 
 
 def _group_advantages(
-    R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b: float
+    R: torch.Tensor, valid: torch.Tensor, tb: dict, s: Any, b: float, lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N] and the rows of groups whose valid rewards are all equal. group: (R - mean) / (std + std_eps) over the
     group (DeepSeekMath 4.1.2; std of the whole step with scale_rewards=batch, none: R - mean), 0 for an equal
@@ -213,6 +215,15 @@ def _group_advantages(
             continue
         if tb["advantage"] == "leave-one-out":
             A[idx] = r - (r.sum() - r) / (len(r) - 1)
+            continue
+        if tb["advantage"] == "pass@k":  # Chen et al. 2025: the best sample gets the gap to the second best
+            best, second = sorted(r.tolist(), reverse=True)[:2]
+            scale = float(r.std(unbiased=sample)) + s.std_eps if s.scale_rewards == "group" else 1.0
+            A[idx[r.tolist().index(best)]] = (best - second) / scale
+            continue
+        if tb["advantage"] == "opo":  # Hao et al. 2025: the length-weighted mean reward as the baseline
+            n = lengths[idx]
+            A[idx] = r - (n * r).sum() / n.sum()
             continue
         c = r - r.mean()
         if s.scale_rewards == "none":
@@ -261,7 +272,7 @@ def _groups_textbook(
         br["KL in the reward"] += int(valid.sum())
     means = [float((w.double() + shifts).mean()) for w in warm]
     b = _running_baseline(means, s.baseline_decay) if tb["advantage"] == "running baseline" else 0.0
-    A, equal = _group_advantages(R, valid, tb, s, b)
+    A, equal = _group_advantages(R, valid, tb, s, b, mask.sum(-1))
     kept = tb["advantage"] == "running baseline"
     rows = valid & ~(equal if s.zero_std == "exclude" and not kept else torch.zeros_like(valid))
     on = mask.bool() & rows[:, None]
@@ -270,7 +281,8 @@ def _groups_textbook(
     br["rows with A > 0"], br["rows with A < 0"] = int(((A > 0) & rows).sum()), int(((A < 0) & rows).sum())
     per = _clip_terms(tb, s, lp, old, ref, A[:, None], mask, on, br, raw.sample_logps.double())
     several = m.inner_epochs() > 1 or m.num_minibatches() > 1
-    req = {"failed rewards", "rows with A > 0", "rows with A < 0"} | _clip_required(s, several, in_reward, tb)
+    neg = set() if tb["advantage"] == "pass@k" else {"rows with A < 0"}  # pass@k's advantages are >= 0
+    req = {"failed rewards", "rows with A > 0"} | neg | _clip_required(s, several, in_reward, tb)
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
     req |= {"truncated samples masked, their rewards kept"} if cut.any() else set()

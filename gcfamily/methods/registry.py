@@ -56,6 +56,8 @@ METHODS: dict[str, str] = {
     "grpo": "gcfamily.methods.grpo:GRPO",
     "grpo-ps": "gcfamily.methods.grpo_ps:GRPOProcess",
     "rloo": "gcfamily.methods.grpo_variants:RLOO",
+    "grpo-passk": "gcfamily.methods.group_estimators:GRPOPassK",
+    "opo": "gcfamily.methods.group_estimators:OPO",
     "dr-grpo": "gcfamily.methods.grpo_variants:DrGRPO",
     "dapo": "gcfamily.methods.grpo_variants:DAPO",
     "ppo": "gcfamily.methods.ppo:PPO",
