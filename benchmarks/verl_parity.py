@@ -209,8 +209,12 @@ MAPPING: dict[str, Union[Check, str]] = {
         "mu=2 beta=0.04 lam=1.0 kl_placement=reward kl_estimator=k1 kl_clamp=none",
         {"adv_estimator": "gae", "use_kl_in_reward": True},
     ),
-    "algorithm.adv_estimator=reinforce_plus_plus": "REINFORCE++ discounts token rewards and whitens over the batch's tokens; gcfamily's reinforce-baseline subtracts a moving-average baseline instead",
-    "algorithm.adv_estimator=reinforce_plus_plus_baseline": "the group mean then a whitening over the batch's tokens (re-centred, token-weighted); gcfamily's scale_rewards=batch divides by the rewards' std, not re-centred per token",
+    "algorithm.adv_estimator=reinforce_plus_plus": Check(
+        "reinforce-pp", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "reinforce_plus_plus"}
+    ),
+    "algorithm.adv_estimator=reinforce_plus_plus_baseline": Check(
+        "reinforce-pp-baseline", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "reinforce_plus_plus_baseline"}
+    ),
     "algorithm.adv_estimator=remax": "ReMax subtracts the reward of a greedy rollout; gcfamily samples no greedy baseline",
     "algorithm.adv_estimator=opo": Check("opo", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "opo"}),
     "algorithm.adv_estimator=grpo_passk": Check("grpo-passk", GC, {"adv_estimator": "grpo_passk"}),
@@ -322,6 +326,9 @@ CONTROLS: dict[str, Check] = {
         "rloo", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "opo"}, "differ"
     ),
     "control: grpo_passk as grpo": Check("grpo", GC, {"adv_estimator": "grpo_passk"}, "differ"),
+    "control: reinforce_plus_plus_baseline as reinforce-pp (no group baseline)": Check(
+        "reinforce-pp", "mu=2 beta=0 loss_norm=token", {"adv_estimator": "reinforce_plus_plus_baseline"}, "differ"
+    ),
     "control: gae with gcfamily ppo's default lam=0.95": Check(
         "ppo", "mu=2 beta=0", {"adv_estimator": "gae"}, "differ"
     ),
@@ -567,6 +574,8 @@ def run_verl(v: types.SimpleNamespace, check: Check, case: dict) -> dict[str, An
         kw.update({"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]} if "grpo" in s["adv_estimator"] else {})
         if s["adv_estimator"] == "grpo_passk":  # it reads the switch from its config (an AlgoConfig; a dict's get here)
             kw["config"] = {"norm_adv_by_std_in_grpo": s["norm_adv_by_std_in_grpo"]}
+        if s["adv_estimator"] == "reinforce_plus_plus":  # it reads gamma from its config (verl's default 1.0)
+            kw["config"] = types.SimpleNamespace(gamma=s["gamma"])
     adv, _ = ca.get_adv_estimator_fn(s["adv_estimator"])(token_level_rewards=scores, response_mask=fmask, **kw)
     weights = None
     if s["rollout_is"] is not None:

@@ -508,3 +508,56 @@ def test_opo_with_an_unweighted_baseline_is_caught(monkeypatch: pytest.MonkeyPat
 def test_the_estimators_two_steps(tmp_path, name: str):
     rows = two_steps(tmp_path, name)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+# ============================================================================= REINFORCE++ (verl's estimators)
+
+
+class _Sum:
+    def all_sum(self, x):  # one process
+        return x
+
+
+def test_reinforce_pp_by_hand():
+    m = make("reinforce-pp-baseline", group_size=2)
+    m.services, m.lengths = _Sum(), torch.tensor([[1.0, 2.0], [1.0, 1.0]])
+    r, valid = torch.tensor([[1.0, 0.0], [0.5, 0.5]]), torch.ones(2, 2, dtype=torch.bool)
+    # centred: [0.5, -0.5], [0, 0]; per token: 0.5, -0.5, -0.5, 0, 0 -> mean -0.1, unbiased var 0.175
+    mean, var = -0.1, sum((x + 0.1) ** 2 for x in [0.5, -0.5, -0.5, 0.0, 0.0]) / 4
+    want = [
+        [(0.5 - mean) / math.sqrt(var + 1e-8), (-0.5 - mean) / math.sqrt(var + 1e-8)],
+        [(0 - mean) / math.sqrt(var + 1e-8)] * 2,
+    ]
+    assert m.group_advantages(r, valid).tolist() == [pytest.approx(w) for w in want]
+    m = make("reinforce-pp", group_size=2)  # no baseline: the rewards themselves whitened
+    m.services, m.lengths = _Sum(), torch.tensor([[1.0, 2.0], [1.0, 1.0]])
+    toks = [1.0, 0.0, 0.0, 0.5, 0.5]
+    mean = sum(toks) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in toks) / 4 + 1e-8)
+    assert m.group_advantages(r, valid)[0].tolist() == pytest.approx([(1 - mean) / sd, (0 - mean) / sd])
+
+
+@pytest.mark.parametrize("name", ["reinforce-pp", "reinforce-pp-baseline"])
+def test_gcf_check_passes_reinforce_pp_on_two_ranks(name: str):
+    out = run_case(name, "two simulated ranks, batch std")
+    assert out.ok, check.report(name, get_method(name), [out])[0]
+
+
+def test_reinforce_pp_whitened_per_sample_not_per_token_is_caught(monkeypatch: pytest.MonkeyPatch):
+    cls = get_method("reinforce-pp-baseline")
+
+    def ones(self, batch):  # the planted bug: every sample weighs one in the whitening, whatever its length
+        G = self.cfg.group_size
+        self.lengths = torch.ones(batch.rows // G, G, dtype=torch.float64)
+        return GRPO.add_advantages(self, batch)
+
+    monkeypatch.setattr(cls.__mro__[1], "add_advantages", ones)  # where it lives: ReinforcePP's
+    out = run_case("reinforce-pp-baseline", "clip and KL")
+    text, ok = check.report("reinforce-pp-baseline", cls, [out])
+    assert not ok and "FAILED (a) engine vs textbook" in text, text
+
+
+@pytest.mark.parametrize("name", ["reinforce-pp", "reinforce-pp-baseline"])
+def test_reinforce_pp_two_steps(tmp_path, name: str):
+    rows = two_steps(tmp_path, name)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

@@ -170,9 +170,12 @@ FAMILIES: dict[str, Family] = {
                 RB_: "running baseline",
                 M + "group_estimators.GRPOPassK": "pass@k",
                 M + "group_estimators.OPO": "opo",
+                M + "group_estimators.ReinforcePP": "rf++",
+                M + "group_estimators.ReinforcePPBaseline": "rf++ baseline",
             },
-            "equal_reward_groups": {GRPO_: "", RB_: ""},
-            "add_advantages": {GRPO_: "", M + "group_estimators.OPO": ""},  # OPO's reads the lengths first
+            "equal_reward_groups": {GRPO_: "", RB_: "", M + "group_estimators.ReinforcePP": ""},
+            # OPO's and REINFORCE++'s read the completions' lengths first
+            "add_advantages": {GRPO_: "", M + "group_estimators.OPO": "", M + "group_estimators.ReinforcePP": ""},
             "token_advantages": {GRPO_: ""},
             "prepare": {GRPO_: ""},
             "after_step": {GRPO_: "", RB_: ""},

@@ -233,7 +233,33 @@ def _group_advantages(
             A[idx] = c / scale if not scale <= 0 else 0.0
     if tb["advantage"] == "gpg":  # GPG's alpha = B / (B - M), M the samples with no gradient (equal group, failed)
         A = A * len(R) / max(int((valid & ~equal).sum()), 1)
+    if tb["advantage"] in WHITENED:
+        A = _whitened(R, valid, tb["advantage"] == "rf++ baseline", lengths)
     return A, equal
+
+
+WHITENED = ("rf++", "rf++ baseline")
+"""REINFORCE++'s advantages: a group that is all equal still gets one (the whitening moves it off 0)."""
+
+
+def _whitened(R: torch.Tensor, valid: torch.Tensor, baseline: bool, lengths: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025) at gamma = 1, as verl computes it: every token of a sample carries its return R (less
+    its group's mean with the baseline), and verl_F.masked_whiten whitens over the step's valid tokens, (x - mean) /
+    sqrt(unbiased var + 1e-8); written here token by token."""
+    per_token, owner = [], []
+    for i in range(len(R)):
+        if not valid[i]:
+            continue
+        g = [j for j in range(i - i % G, i - i % G + G) if valid[j]]
+        x = R[i] - (R[g].mean() if baseline and len(g) > 1 else 0.0)
+        per_token += [x] * int(lengths[i])
+        owner += [i] * int(lengths[i])
+    t = torch.stack(per_token)
+    mean, var = t.mean(), t.var(unbiased=True)
+    A = torch.zeros(len(R), dtype=torch.float64)
+    for i, x in zip(owner, per_token):
+        A[i] = (x - mean) / torch.sqrt(var + 1e-8)
+    return A
 
 
 @dataclass
@@ -273,7 +299,7 @@ def _groups_textbook(
     means = [float((w.double() + shifts).mean()) for w in warm]
     b = _running_baseline(means, s.baseline_decay) if tb["advantage"] == "running baseline" else 0.0
     A, equal = _group_advantages(R, valid, tb, s, b, mask.sum(-1))
-    kept = tb["advantage"] == "running baseline"
+    kept = tb["advantage"] in ("running baseline", *WHITENED)  # an equal group keeps an advantage
     rows = valid & ~(equal if s.zero_std == "exclude" and not kept else torch.zeros_like(valid))
     on = mask.bool() & rows[:, None]
     br["equal-reward groups" + (" (A = R - b kept)" if kept else "")] += int(equal[::G].sum())

@@ -81,3 +81,62 @@ class OPO(GRPO):
         r, w = rewards.double(), self.lengths * valid  # [n, G]
         b = (w * r).sum(-1, keepdim=True) / w.sum(-1, keepdim=True).clamp(min=1)  # [n, 1]
         return torch.where(valid, r - b, 0.0).float()
+
+
+class ReinforcePP(GRPO):
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262; verl's adv_estimator=reinforce_plus_plus at its gamma = 1): each
+    sample's reward whitened over every valid token of the step, A_i = (R_i - mu) / sqrt(var + 1e-8), mu and var (the
+    unbiased variance) of R over the step's tokens, each sample counted once per completion token, over all processes.
+    The `-baseline` variant (verl's reinforce_plus_plus_baseline) first subtracts the group's mean reward."""
+
+    name = "reinforce-pp"
+    gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = R_i whitened over the step's tokens"
+    baseline = False
+
+    @dataclass
+    class Settings(GRPO.Settings):
+        scale_rewards: str = "none"
+        """The whitening over the step's tokens is the advantage's scale (group or batch would add another)."""
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        super().validate(cfg)
+        s = cfg.settings
+        if s.scale_rewards != "none" or s.mask_truncated:
+            raise GcfError(
+                f"{cls.name} takes neither scale_rewards nor mask_truncated: its whitening weighs each sample by its completion's tokens."
+            )
+        if not cls.baseline and s.kl_placement == "reward" and s.beta > 0:
+            raise GcfError(
+                f"{cls.name} with the KL in the reward discounts token rewards per token (verl's returns), not built; use kl_placement=loss."
+            )
+
+    def add_advantages(self, batch: Batch) -> tuple[Batch, Stats]:
+        self.lengths = rearrange(batch.loss_mask.sum(-1).double(), "(n g) -> n g", g=self.cfg.group_size)
+        return super().add_advantages(batch)
+
+    def equal_reward_groups(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(rewards.shape[0], dtype=torch.bool)  # the whitening moves an equal group off 0 too
+
+    def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = rewards.double()  # [n, G]
+        if self.baseline:
+            mean, _, count = masked_group_stats(rewards, valid, unbiased=True)
+            x = x - torch.where(count > 1, mean, 0.0)[:, None]  # a lone sample keeps its reward, as verl's
+        w = self.lengths * valid  # [n, G] each sample's weight: its tokens
+        n, sx, sxx = self.services.all_sum(torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()]))
+        mu = sx / n.clamp(min=1)
+        var = (sxx - n * mu * mu) / (n - 1).clamp(min=1)  # torch.var's unbiased estimate over the tokens
+        return torch.where(valid, (x - mu) * torch.rsqrt(var.clamp(min=0) + 1e-8), 0.0).float()
+
+
+class ReinforcePPBaseline(ReinforcePP):
+    """REINFORCE++ with the group-mean baseline (verl's reinforce_plus_plus_baseline): R_i - mean of its group, then
+    whitened over the step's tokens."""
+
+    name = "reinforce-pp-baseline"
+    gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = (R_i - mean R) whitened over the tokens"
+    baseline = True
+
+    def group_advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return super().group_advantages(rewards, valid)  # its own definition: gcf check's textbook names it

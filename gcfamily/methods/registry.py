@@ -58,6 +58,8 @@ METHODS: dict[str, str] = {
     "rloo": "gcfamily.methods.grpo_variants:RLOO",
     "grpo-passk": "gcfamily.methods.group_estimators:GRPOPassK",
     "opo": "gcfamily.methods.group_estimators:OPO",
+    "reinforce-pp": "gcfamily.methods.group_estimators:ReinforcePP",
+    "reinforce-pp-baseline": "gcfamily.methods.group_estimators:ReinforcePPBaseline",
     "dr-grpo": "gcfamily.methods.grpo_variants:DrGRPO",
     "dapo": "gcfamily.methods.grpo_variants:DAPO",
     "ppo": "gcfamily.methods.ppo:PPO",
