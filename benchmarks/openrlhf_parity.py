@@ -126,13 +126,16 @@ OPTIONS: dict[str, Entry] = {
         _ppo(estimator="dr_grpo"),
     ),
     "--algo.advantage.estimator reinforce_baseline": Entry(
-        None,
-        "R - group mean, then centred and divided by the population std over every action token of the batch; "
-        "gcfamily's reinforce-baseline subtracts a moving average of past steps (scale_rewards=batch divides by the "
-        "rewards' std, without re-centring)",
+        "--method reinforce-pp-baseline --set mu=2 beta=0 loss_norm=token std=population",
+        "R - group mean, then centred and divided by the population std over every action token of the batch (floored "
+        "at 1e-8), as gamma = 1 makes every token's return R",
+        _ppo(estimator="reinforce_baseline"),
     ),
     "--algo.advantage.estimator reinforce": Entry(
-        None, "discounted return per token, whitened over every action token of the batch; gcfamily has no such rule"
+        "--method reinforce-pp --set mu=2 beta=0 loss_norm=token std=population",
+        "the return R on every token (gamma = 1, no KL in the reward) whitened over the batch's action tokens; with "
+        "gamma < 1 or the KL in the reward the returns differ per token, which reinforce-pp does not build",
+        _ppo(estimator="reinforce"),
     ),
     "--algo.advantage.estimator flash_reinforce": Entry(
         None, "R - the mean of this rollout batch; gcfamily's reinforce-baseline subtracts a mean of past steps"
@@ -150,7 +153,10 @@ OPTIONS: dict[str, Entry] = {
     ),
     "--algo.advantage.lambd": Entry("--method ppo --set lam=...", "GAE only (above)", compared=False),
     "--algo.advantage.no_std_norm": Entry(
-        None, "gae, reinforce and reinforce_baseline only: centre without dividing; gcfamily's PPO always whitens"
+        "--method reinforce-pp-baseline --set mu=2 beta=0 loss_norm=token whiten=false",
+        "reinforce and reinforce_baseline: centred over the tokens, not divided (checked on reinforce_baseline); gae: "
+        "gcfamily's PPO whitens or not (whiten), never centres only",
+        _ppo(estimator="reinforce_baseline", no_std_norm=True),
     ),
     # -- the clipped surrogate (PolicyLoss)
     "--actor.eps_clip": Entry(GN + " epsilon=0.2", "symmetric clip", _ppo()),
@@ -508,7 +514,12 @@ def orl_advantages(o: dict, e: Entry, case: dict, dtype: torch.dtype) -> torch.T
         reward=ns(overlong_buffer_len=None, stop_properly_penalty_coef=None, clip_range=(-10.0, 10.0)),
         rollout=ns(n_samples_per_prompt=G, max_new_tokens=T),
         algo=ns(
-            advantage=ns(estimator=e.orl["estimator"], gamma=e.orl["gamma"], lambd=e.orl["lambd"], no_std_norm=False)
+            advantage=ns(
+                estimator=e.orl["estimator"],
+                gamma=e.orl["gamma"],
+                lambd=e.orl["lambd"],
+                no_std_norm=e.orl.get("no_std_norm", False),
+            )
         ),
     )
     maker = object.__new__(o["maker"])

@@ -66,6 +66,8 @@ def _group_cases(
         ("truncated samples masked, clip and KL", {"mask_truncated": True, "mu": 2, "beta": beta}),
         ("truncated samples masked, token", {"mask_truncated": True, "loss_norm": "token"}),
         ("off-policy mask 0, clip and KL", {"off_policy_mask": 0.0, "mu": 2, "beta": beta}),
+        ("population std (OpenRLHF's whitening), clip", {"std": "population", "mu": 2}),
+        ("centred only (whiten false), clip", {"whiten": False, "mu": 2}),
         (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
         (
             "minibatches, k1, batch std",

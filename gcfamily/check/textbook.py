@@ -234,7 +234,7 @@ def _group_advantages(
     if tb["advantage"] == "gpg":  # GPG's alpha = B / (B - M), M the samples with no gradient (equal group, failed)
         A = A * len(R) / max(int((valid & ~equal).sum()), 1)
     if tb["advantage"] in WHITENED:
-        A = _whitened(R, valid, tb["advantage"] == "rf++ baseline", lengths)
+        A = _whitened(R, valid, tb["advantage"] == "rf++ baseline", lengths, s)
     return A, equal
 
 
@@ -242,10 +242,11 @@ WHITENED = ("rf++", "rf++ baseline")
 """REINFORCE++'s advantages: a group that is all equal still gets one (the whitening moves it off 0)."""
 
 
-def _whitened(R: torch.Tensor, valid: torch.Tensor, baseline: bool, lengths: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025) at gamma = 1, as verl computes it: every token of a sample carries its return R (less
-    its group's mean with the baseline), and verl_F.masked_whiten whitens over the step's valid tokens, (x - mean) /
-    sqrt(unbiased var + 1e-8); written here token by token."""
+def _whitened(R: torch.Tensor, valid: torch.Tensor, baseline: bool, lengths: torch.Tensor, s: Any) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025) at gamma = 1: every token of a sample carries its return R (less its group's mean with
+    the baseline), whitened over the step's valid tokens, as verl's masked_whiten ((x - mean) / sqrt(unbiased var +
+    1e-8); std=sample) or OpenRLHF ((x - mean) / sqrt(max(population var, 1e-8)); std=population), or only centred
+    (whiten=false); written here token by token."""
     per_token, owner = [], []
     for i in range(len(R)):
         if not valid[i]:
@@ -255,10 +256,16 @@ def _whitened(R: torch.Tensor, valid: torch.Tensor, baseline: bool, lengths: tor
         per_token += [x] * int(lengths[i])
         owner += [i] * int(lengths[i])
     t = torch.stack(per_token)
-    mean, var = t.mean(), t.var(unbiased=True)
+    mean = t.mean()
+    if not s.whiten:
+        sd = torch.ones((), dtype=torch.float64)
+    elif s.std == "sample":
+        sd = torch.sqrt(t.var(unbiased=True) + 1e-8)
+    else:
+        sd = torch.sqrt(torch.clamp(t.var(unbiased=False), min=1e-8))
     A = torch.zeros(len(R), dtype=torch.float64)
     for i, x in zip(owner, per_token):
-        A[i] = (x - mean) / torch.sqrt(var + 1e-8)
+        A[i] = (x - mean) / sd
     return A
 
 

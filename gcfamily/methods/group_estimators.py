@@ -86,8 +86,10 @@ class OPO(GRPO):
 class ReinforcePP(GRPO):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262; verl's adv_estimator=reinforce_plus_plus at its gamma = 1): each
     sample's reward whitened over every valid token of the step, A_i = (R_i - mu) / sqrt(var + 1e-8), mu and var (the
-    unbiased variance) of R over the step's tokens, each sample counted once per completion token, over all processes.
-    The `-baseline` variant (verl's reinforce_plus_plus_baseline) first subtracts the group's mean reward."""
+    unbiased variance) of R over the step's tokens, each sample counted once per completion token, over all processes;
+    std=population is OpenRLHF's whitening (the population variance floored at 1e-8), whiten=false its centring only.
+    The `-baseline` variant (verl's reinforce_plus_plus_baseline, OpenRLHF's reinforce_baseline) first subtracts the
+    group's mean reward."""
 
     name = "reinforce-pp"
     gc_formula = "r_t * A_i * 1[not clipped] + beta * (pi_ref/pi - 1),  A_i = R_i whitened over the step's tokens"
@@ -97,6 +99,8 @@ class ReinforcePP(GRPO):
     class Settings(GRPO.Settings):
         scale_rewards: str = "none"
         """The whitening over the step's tokens is the advantage's scale (group or batch would add another)."""
+        whiten: bool = True
+        """Divide by the tokens' std after centring (false: centre only, OpenRLHF's no_std_norm)."""
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
@@ -126,8 +130,13 @@ class ReinforcePP(GRPO):
         w = self.lengths * valid  # [n, G] each sample's weight: its tokens
         n, sx, sxx = self.services.all_sum(torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()]))
         mu = sx / n.clamp(min=1)
-        var = (sxx - n * mu * mu) / (n - 1).clamp(min=1)  # torch.var's unbiased estimate over the tokens
-        return torch.where(valid, (x - mu) * torch.rsqrt(var.clamp(min=0) + 1e-8), 0.0).float()
+        if not self.settings.whiten:
+            return torch.where(valid, x - mu, 0.0).float()
+        if self.settings.std == "sample":  # verl's masked_whiten: the unbiased variance, 1e-8 added
+            scale = torch.rsqrt(((sxx - n * mu * mu) / (n - 1).clamp(min=1)).clamp(min=0) + 1e-8)
+        else:  # OpenRLHF's: the population variance, floored at 1e-8
+            scale = torch.rsqrt(((sxx - n * mu * mu) / n.clamp(min=1)).clamp(min=1e-8))
+        return torch.where(valid, (x - mu) * scale, 0.0).float()
 
 
 class ReinforcePPBaseline(ReinforcePP):
