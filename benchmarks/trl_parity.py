@@ -342,6 +342,14 @@ ROWS: list[Row] = [
         "vespo",
         "mu=2 std_eps=1e-4 off_policy_mask=0.0",
     ),
+    Row(
+        "grpo multi_objective_aggregation=normalize_then_sum (two rewards, weights 1 and 0.5)",
+        "grpo",
+        {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum", **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0 reward_aggregation=normalize_then_sum scale_rewards=batch reward=[a,b] "
+        "reward_weights=[1.0,0.5]",
+    ),
     Row("vespo", "grpo", {"loss_type": "vespo", **MU2}, "vespo", "mu=2 std_eps=1e-4"),
     Row(
         "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
@@ -549,6 +557,14 @@ ROWS: list[Row] = [
         expect="differ",
     ),
     Row(
+        "control: two rewards normalize_then_sum as the weighted sum (sum_then_normalize)",
+        "grpo",
+        {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum", **MU2},
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0 scale_rewards=batch reward=[a,b] reward_weights=[1.0,0.5]",
+        expect="differ",
+    ),
+    Row(
         "control: vespo with k and lambda of the other sign",
         "grpo",
         {"loss_type": "vespo", **MU2},
@@ -675,7 +691,20 @@ def grpo_case(seed: int) -> dict[str, torch.Tensor]:
     ref = logps + 0.5 * torch.randn(B, P + T, generator=gen, dtype=torch.float64)  # [B, P+T]
     rows = torch.randperm(B, generator=gen)[:2]
     ref[rows, P] = logps[rows, P] - 25.0  # |log(pi_ref/pi)| = 25: past gcfamily's default kl_clamp of 20
-    return {"rewards": rewards, "lengths": lengths, "ids": ids, "ends": ends, "logps": logps, "old": old, "ref": ref}
+    # a second reward function (multi_objective_aggregation rows), from its own stream: the other draws stay as they were
+    second = torch.randn(N_PROMPTS, G, generator=torch.Generator().manual_seed(seed + 1000), dtype=torch.float64)
+    second[0] = -0.5  # the all-equal group stays equal in both rewards
+    rewards2 = second.flatten().float().double()
+    return {
+        "rewards": rewards,
+        "rewards2": rewards2,
+        "lengths": lengths,
+        "ids": ids,
+        "ends": ends,
+        "logps": logps,
+        "old": old,
+        "ref": ref,
+    }
 
 
 def pair_case(seed: int) -> dict[str, torch.Tensor]:
@@ -752,7 +781,9 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     tr.entropy_coef, tr.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
     tr._entropy_bonus_enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy
     tr.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    tr.reward_weights, tr.reward_func_names, tr.reward_funcs = torch.ones(1), ["reward"], [None]
+    two = row.trl.get("multi_objective_aggregation") is not None  # two reward functions, weighted 1 and 0.5
+    tr.reward_weights = torch.tensor([1.0, 0.5]) if two else torch.ones(1)
+    tr.reward_func_names, tr.reward_funcs = (["a", "b"], [None, None]) if two else (["reward"], [None])
     tr.environment_factories, tr.environments, tr.tools, tr.log_multimodal = None, [], None, False
     tr._tokenizer, tr.eos_token_ids = types.SimpleNamespace(pad_token_id=PAD), [EOS]
     tr.ref_model = types.SimpleNamespace(name="pi_ref")
@@ -788,9 +819,8 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
         return logps, torch.zeros_like(logps), None
 
     tr._generate = generate
-    tr._calculate_rewards = lambda inputs, prompts, completions, ids_list: case["rewards"][
-        :, None
-    ].clone()  # [B, 1] one reward function
+    per_func = torch.stack([case["rewards"], case["rewards2"]], 1) if two else case["rewards"][:, None]  # [B, K]
+    tr._calculate_rewards = lambda inputs, prompts, completions, ids_list: per_func.clone()
     tr._get_per_token_logps_and_entropies = logps_and_entropies
     inputs = [
         {"prompt": f"prompt {b // G}"} for b in range(B)
@@ -950,9 +980,13 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
         input_ids=torch.cat([torch.full((B, P), 5), case["ids"]], 1),
         attention_mask=torch.ones(B, P + T, dtype=torch.long),
         loss_mask=loss_mask,
-        rewards=case["rewards"].clone(),
+        # the run's reward is the weighted sum of its functions (Scores.total), 1 and 0.5 in the two-reward rows
+        rewards=(case["rewards"] + 0.5 * case["rewards2"]).float()
+        if "multi_objective_aggregation" in row.trl
+        else case["rewards"].clone(),
         valid=torch.ones(B, dtype=torch.bool),
         truncated=~case["ends"],  # [B] no EOS within the budget (the rollout's flag)
+        reward_parts=torch.stack([case["rewards"], case["rewards2"]], 1).float(),  # [B, 2] each function's own
     )
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])

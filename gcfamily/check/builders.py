@@ -29,6 +29,7 @@ from gcfamily.check.world import (
     FAILED,
     FAR,
     REWARDS,
+    SECOND_REWARD,
     TRUNCATED,
     WARMUP,
     Collective,
@@ -127,8 +128,13 @@ def _scored(world: World, rewards: list[float], stub: StubServices) -> Batch:
     valid[FAILED] = False
     truncated = torch.zeros(N, dtype=torch.bool)
     truncated[list(TRUNCATED)] = True
+    parts = torch.tensor([rewards, SECOND_REWARD[: len(rewards)]]).T  # [N, 2]: the first is the reward itself
     rows = world.rows(range(N)).replaced(
-        rewards=torch.tensor(rewards), valid=valid, prompt_index=torch.arange(N) // G, truncated=truncated
+        rewards=torch.tensor(rewards),
+        valid=valid,
+        prompt_index=torch.arange(N) // G,
+        truncated=truncated,
+        reward_parts=parts,
     )
     return sampled(rows, stub)
 
@@ -163,7 +169,9 @@ def build_groups(
     def work(m: Method, stub: StubServices, rows: slice) -> Batch:
         m.setup(stub)  # type: ignore[arg-type]
         for k, w in enumerate(warm):
-            every = world.rows(range(N)).replaced(rewards=w, valid=torch.ones(N, dtype=torch.bool))
+            every = world.rows(range(N)).replaced(
+                rewards=w, valid=torch.ones(N, dtype=torch.bool), reward_parts=torch.stack([w, w], -1).float()
+            )
             m.prepare(select(every.replaced(prompt_index=torch.arange(N) // G), rows))
             m.after_step(k + 1)
         return m.prepare(select(raw.clone(), rows))[0]

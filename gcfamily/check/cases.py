@@ -67,6 +67,17 @@ def _group_cases(
         ("truncated samples masked, token", {"mask_truncated": True, "loss_norm": "token"}),
         ("off-policy mask 0, clip and KL", {"off_policy_mask": 0.0, "mu": 2, "beta": beta}),
         ("population std (OpenRLHF's whitening), clip", {"std": "population", "mu": 2}),
+        (
+            "two rewards standardised apart, then summed",
+            {
+                "reward_aggregation": "normalize_then_sum",
+                "scale_rewards": "batch",
+                "std_eps": 1e-4,
+                "reward": ["numeric", "numeric"],
+                "reward_weights": [1.0, 0.5],
+                "mu": 2,
+            },
+        ),
         ("centred only (whiten false), clip", {"whiten": False, "mu": 2}),
         (f"temperature {TAU}, clip and KL", {"temperature": TAU, "mu": 2, "beta": beta}),
         (

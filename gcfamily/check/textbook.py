@@ -295,6 +295,8 @@ def _groups_textbook(
     br = Counter({"failed rewards": int((~valid).sum())})
     cut = _truncated_off(s, raw, valid, br)
     mask = mask * ~cut[:, None]  # TRL's mask_truncated_completions: no token trains, the reward stays
+    if getattr(s, "reward_aggregation", "") == "normalize_then_sum":
+        R = _normalized_sum(raw.reward_parts.double(), valid, s, m.cfg.reward_weights, br)
     shifts = torch.zeros(N, dtype=torch.float64)  # what joins each warm-up sample's reward (the KL below)
     in_reward = ref is not None and s.kl_placement == "reward"
     if in_reward:  # -beta * sum_t KL_t at pi_old joins each sample's reward (k1 unless set)
@@ -319,7 +321,23 @@ def _groups_textbook(
     req |= set() if in_reward else {"equal-reward groups" + (" (A = R - b kept)" if kept else "")}
     req |= {"equal-reward groups out of Z"} if s.zero_std == "exclude" and not kept else set()
     req |= {"truncated samples masked, their rewards kept"} if cut.any() else set()
+    req |= {"rewards standardised apart, then summed"} if "rewards standardised apart, then summed" in br else set()
     return Textbook(_aggregate(per, mask, rows.double(), m.norm, m.cfg.norm_constant), br, req)
+
+
+def _normalized_sum(parts: torch.Tensor, valid: torch.Tensor, s: Any, weights: list, br: Counter) -> torch.Tensor:
+    """TRL 1.16's normalize_then_sum: each reward function's value standardised within its group over the valid
+    samples, (r_k - mean) / (std + std_eps) (0 where a group's r_k are all equal and std_eps is 0), weighted, summed."""
+    w = weights or [1.0] * parts.shape[1]
+    out = torch.zeros(len(parts), dtype=torch.float64)
+    for g in range(len(parts) // G):
+        idx = [i for i in range(g * G, (g + 1) * G) if valid[i]]
+        for k in range(parts.shape[1]):
+            r = parts[idx, k]
+            scale = (float(r.std(unbiased=s.std == "sample")) if len(r) > 1 else 0.0) + s.std_eps
+            out[idx] += float(w[k]) * ((r - r.mean()) / scale if scale > 0 else torch.zeros_like(r))
+    br["rewards standardised apart, then summed"] += int(valid.sum())
+    return out.float().double()  # as the method's, which hands float32 rewards on
 
 
 def _truncated_off(s: Any, raw: Batch, valid: torch.Tensor, br: Counter) -> torch.Tensor:

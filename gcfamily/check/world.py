@@ -22,6 +22,8 @@ TOL_A, TOL_B = 2e-6, 1e-5  # relative to the gradient's largest entry: float64 l
 # unmasked changes every result), distinct
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.9, 1.0, 0.2, 0.6, 0.8, 0.1, 0.3, 0.65]
 FAILED, FAR = 9, 4  # the failed sample; the row with a token 25 nats from pi_ref (past any KL clamp)
+SECOND_REWARD = [0.3, 0.9, 0.1, 0.5, 0.2, 0.2, 0.2, 0.2, 0.7, 0.4, 0.1, 0.8, 0.6, 0.0, 0.9, 0.3]
+"""A second reward function's values (reward_aggregation=normalize_then_sum); group 1 equal in both rewards."""
 TRUNCATED = (2, 13)  # the samples that hit max_new_tokens without EOS (rows of groups whose advantages are not 0)
 WARMUP = [[0.2, 0.7] * 8, [0.9, 1.0, 0.8, 1.0] * 4, [0.0, 0.1] * 8]
 """Three warm-up steps' rewards (means 0.45, 0.925, 0.05) before the checked one: a running baseline's b is their

@@ -163,6 +163,10 @@ TRL_NAMES: dict[str, Spelling] = {
     "mask_truncated_completions": Spelling(
         "mask_truncated", "true", note="of the GRPO family: no token of a truncated completion trains, its reward stays"
     ),
+    "multi_objective_aggregation": Spelling(
+        "reward_aggregation",
+        note="sum_then_normalize (TRL's default) or normalize_then_sum, which needs scale_rewards=batch",
+    ),
     "off_policy_mask_threshold": Spelling(
         "off_policy_mask", note="DeepSeek-V3.2's off-policy sequence mask, on every clipped on-policy rule"
     ),

@@ -56,6 +56,8 @@ class Batch:
     """[B] which of the step's prompts the row answers (row n of a rollout belongs to prompt n // G)."""
     completions: Optional[list[str]] = _field(ROW)
     """B completion texts, as the reward read them."""
+    reward_parts: Optional[torch.Tensor] = _field(ROW)
+    """[B, K] each reward function's own value, in the order of --reward (reward_aggregation=normalize_then_sum)."""
     truncated: Optional[torch.Tensor] = _field(ROW)
     """[B] bool: the completion hit max_new_tokens (or the episode's room) without EOS or a stop string."""
     step_rewards: Optional[torch.Tensor] = _field(TOKEN)

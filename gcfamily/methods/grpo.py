@@ -63,6 +63,10 @@ class GRPO(ClippedOnPolicy):
         processes), or by nothing (none: Dr. GRPO's and grpo-shift's advantage)."""
         std_eps: float = 0.0
         """Added to the std before dividing (TRL adds 1e-4); 0 divides by the std itself."""
+        reward_aggregation: str = "sum_then_normalize"
+        """Several rewards: sum_then_normalize (the weighted sum is the reward) or normalize_then_sum (TRL's
+        multi_objective_aggregation, GDPO's idea: each reward z-scored in its group, (r_k - mean) / (std + std_eps),
+        then weighted and summed; needs scale_rewards=batch, which re-scales the sums over the step)."""
         mask_truncated: bool = False
         """TRL's mask_truncated_completions (DAPO's overlong filtering): a completion that hit max_new_tokens without
         EOS or a stop string trains no token, but its reward stays in its group's mean and std, and in Z it counts as
@@ -85,6 +89,18 @@ class GRPO(ClippedOnPolicy):
                 (s.std in ("sample", "population"), "std must be sample or population"),
                 (s.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
                 (s.std_eps >= 0, "std_eps must be >= 0"),
+                (
+                    s.reward_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+                    "reward_aggregation must be sum_then_normalize or normalize_then_sum",
+                ),
+                (
+                    s.reward_aggregation == "sum_then_normalize" or s.scale_rewards == "batch",
+                    "reward_aggregation=normalize_then_sum re-scales the summed z-scores over the step: set scale_rewards=batch",
+                ),
+                (
+                    s.reward_aggregation == "sum_then_normalize" or s.kl_placement == "loss" or s.beta == 0,
+                    "reward_aggregation=normalize_then_sum has no reward for the KL to join: use kl_placement=loss",
+                ),
             ]
         )
         if cfg.group_size < cls.min_group_size:
@@ -133,6 +149,8 @@ class GRPO(ClippedOnPolicy):
         """advantages [N], equal-reward groups handled per zero_std, and their fraction logged."""
         G = self.cfg.group_size
         rewards = rearrange(batch.rewards.float(), "(n g) -> n g", g=G)  # [n, G]
+        if self.settings.reward_aggregation == "normalize_then_sum":
+            rewards = self.normalized_sum(batch)
         if batch.kl_rewards is not None:  # kl_placement=reward: -beta * sum_t KL_t at pi_old joins each sample's reward
             rewards = rewards - self.settings.beta * rearrange(batch.kl_rewards.float(), "(n g) -> n g", g=G)
         valid = rearrange(batch.valid.bool(), "(n g) -> n g", g=G)  # [n, G]
@@ -142,6 +160,22 @@ class GRPO(ClippedOnPolicy):
         if self.settings.zero_std == "exclude":  # their tokens leave the normaliser as well as the gradient
             batch.valid = batch.valid.bool() & ~repeat(equal, "n -> (n g)", g=G)
         return batch, {f"{self.metric_prefix}/zero_std_frac": float(equal.float().mean())}
+
+    def normalized_sum(self, batch: Batch) -> torch.Tensor:
+        """[n, G]: sum_k w_k (r_k - mean_k) / (std_k + std_eps), each reward's statistics over its group's valid samples
+        (a group whose r_k are all equal adds 0 for it), w the reward_weights (1 each when unset)."""
+        G, s = self.cfg.group_size, self.settings
+        if batch.reward_parts is None:
+            raise GcfError("reward_aggregation=normalize_then_sum needs each reward's own value; this batch has none.")
+        parts = rearrange(batch.reward_parts.double(), "(n g) k -> n g k", g=G)  # [n, G, K]
+        valid = rearrange(batch.valid.bool(), "(n g) -> n g", g=G)
+        weights = self.cfg.reward_weights or [1.0] * parts.shape[-1]
+        out = torch.zeros(parts.shape[:2], dtype=torch.float64)
+        for k, w in enumerate(weights):
+            mean, std, _ = masked_group_stats(parts[..., k], valid, unbiased=s.std == "sample")
+            scale = (std + s.std_eps)[:, None]
+            out += float(w) * torch.where(scale > 0, (parts[..., k] - mean[:, None]) / scale.clamp(min=1e-300), 0.0)
+        return out.float()
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> tuple[Batch, Stats]:

@@ -139,6 +139,7 @@ class OnPolicy(Method):
             prompt_index=ro.prompt_index.cpu(),  # [N]
             completions=ro.completions,
             truncated=ro.truncated.cpu(),  # [N]
+            reward_parts=torch.stack([r for r, _ in scored.per_reward.values()], -1) if scored.per_reward else None,
         )
         if (
             self.reads_steps and got.episodes is not None
