@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 import tempfile
@@ -350,6 +351,25 @@ ROWS: list[Row] = [
         "mu=2 std_eps=1e-4 beta=0 reward_aggregation=normalize_then_sum scale_rewards=batch reward=[a,b] "
         "reward_weights=[1.0,0.5]",
     ),
+    *[
+        Row(
+            f"grpo vllm IS correction {mode} [0.5, 2]",
+            "grpo",
+            {
+                "loss_type": "grpo",
+                "use_vllm": True,
+                "vllm_importance_sampling_correction": True,
+                "vllm_importance_sampling_mode": mode,
+                "vllm_importance_sampling_clip_min": 0.5,
+                "vllm_importance_sampling_clip_max": 2.0,
+                "beta": 0.04,
+                **MU2,
+            },
+            "grpo",
+            f"mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none tis={mode} tis_min=0.5 tis_max=2.0",
+        )
+        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    ],
     Row("vespo", "grpo", {"loss_type": "vespo", **MU2}, "vespo", "mu=2 std_eps=1e-4"),
     Row(
         "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
@@ -565,6 +585,22 @@ ROWS: list[Row] = [
         expect="differ",
     ),
     Row(
+        "control: vllm IS correction token_mask with gcfamily's tis=off",
+        "grpo",
+        {
+            "loss_type": "grpo",
+            "use_vllm": True,
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "token_mask",
+            "vllm_importance_sampling_clip_min": 0.5,
+            "vllm_importance_sampling_clip_max": 2.0,
+            **MU2,
+        },
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0",
+        expect="differ",
+    ),
+    Row(
         "control: vespo with k and lambda of the other sign",
         "grpo",
         {"loss_type": "vespo", **MU2},
@@ -692,12 +728,16 @@ def grpo_case(seed: int) -> dict[str, torch.Tensor]:
     rows = torch.randperm(B, generator=gen)[:2]
     ref[rows, P] = logps[rows, P] - 25.0  # |log(pi_ref/pi)| = 25: past gcfamily's default kl_clamp of 20
     # a second reward function (multi_objective_aggregation rows), from its own stream: the other draws stay as they were
-    second = torch.randn(N_PROMPTS, G, generator=torch.Generator().manual_seed(seed + 1000), dtype=torch.float64)
+    own = torch.Generator().manual_seed(seed + 1000)
+    second = torch.randn(N_PROMPTS, G, generator=own, dtype=torch.float64)
+    # the sampler's log-probs (vLLM's, for the IS rows): pi_old's with log(pi_old/pi_sampler) ~ N(0, 0.6^2): past both bounds
+    sample = old - 0.6 * torch.randn(old.shape, generator=own, dtype=torch.float64)
     second[0] = -0.5  # the all-equal group stays equal in both rewards
     rewards2 = second.flatten().float().double()
     return {
         "rewards": rewards,
         "rewards2": rewards2,
+        "sample": sample,
         "lengths": lengths,
         "ids": ids,
         "ends": ends,
@@ -777,7 +817,10 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
     tr.max_completion_length, tr.num_generations = args.max_completion_length, args.num_generations
     tr.num_generations_eval = args.num_generations_eval or args.num_generations
     tr.multi_objective_aggregation, tr.pad_to_multiple_of = args.multi_objective_aggregation, args.pad_to_multiple_of
-    tr.use_vllm, tr.vllm_importance_sampling_correction = False, args.vllm_importance_sampling_correction
+    tr.use_vllm, tr.vllm_importance_sampling_correction = args.use_vllm, args.vllm_importance_sampling_correction
+    tr.vllm_importance_sampling_mode = args.vllm_importance_sampling_mode
+    tr.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_clip_max
+    tr.vllm_importance_sampling_clip_min = args.vllm_importance_sampling_clip_min
     tr.entropy_coef, tr.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
     tr._entropy_bonus_enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy
     tr.current_gradient_accumulation_steps = args.gradient_accumulation_steps
@@ -803,7 +846,9 @@ def trl_grpo(row: Row, case: dict, workdir: str) -> dict[str, Any]:
 
     def generate(prompts: list) -> tuple:
         completion_ids = [ids[b, : lengths[b]].tolist() for b in range(B)]
-        return [[5, 6, 7]] * B, completion_ids, None, ["c"] * B, None, {}, None, None
+        # with use_vllm, the sampler's log-probs of its tokens (vLLM's), which TRL's IS correction reads
+        sampled = [case["sample"][b, P : P + lengths[b]].tolist() for b in range(B)] if args.use_vllm else None
+        return [[5, 6, 7]] * B, completion_ids, None, ["c"] * B, sampled, {}, None, None
 
     def logps_and_entropies(
         model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, **kw: Any
@@ -987,6 +1032,7 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
         valid=torch.ones(B, dtype=torch.bool),
         truncated=~case["ends"],  # [B] no EOS within the budget (the rollout's flag)
         reward_parts=torch.stack([case["rewards"], case["rewards2"]], 1).float(),  # [B, 2] each function's own
+        sample_logps=case["sample"] * loss_mask,  # [B, P+T] the sampler's (read with tis on)
     )
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])
@@ -1070,6 +1116,174 @@ def compare(row: Row, seed: int, workdir: Optional[str] = None) -> dict[str, Any
     return res
 
 
+# ----------------------------------------------------------------------------------
+# every loss option of TRL 1.16, enumerated from its code, and what each is here
+
+LOSS_CODE = {
+    "GRPOConfig": ("GRPOTrainer", ("_compute_loss", "_generate_and_score_completions")),
+    "DPOConfig": ("DPOTrainer", ("_compute_loss",)),
+}
+"""The loss and advantage code whose option reads are enumerated: a config field it reads (self.X or self.args.X), and
+each value it compares a choice field with (== "x", in [...])."""
+ALIASES = {"epsilon_low": "epsilon", "loss_types": "loss_type", "precompute_ref_logps": "precompute_ref_log_probs"}
+CHOICES = (
+    "loss_type",
+    "importance_sampling_level",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "f_divergence_type",
+    "vllm_importance_sampling_mode",
+)
+LOSS_CODE_ONLY = "reads no loss term: "  # the prefix of an option that shapes batches or logs, not the loss
+
+R = "refused: "
+OPTION_STATUS: dict[str, str] = {
+    # -- GRPOConfig: fields the loss and advantage code read
+    "GRPOConfig.beta": "grpo beta=0.04 (bias-corrected KL)",
+    "GRPOConfig.delta": "grpo delta=1.5 [subclass]",
+    "GRPOConfig.epsilon": "grpo epsilon=0.1 epsilon_high=0.3",
+    "GRPOConfig.epsilon_high": "grpo epsilon=0.1 epsilon_high=0.3",
+    "GRPOConfig.importance_sampling_level": "grpo importance_sampling_level=sequence (GSPO) [subclass]",
+    "GRPOConfig.loss_type": "grpo",
+    "GRPOConfig.mask_truncated_completions": "grpo mask_truncated_completions=True",
+    "GRPOConfig.max_completion_length": "dr_grpo (scale_rewards=group, TRL's default)",
+    "GRPOConfig.multi_objective_aggregation": "grpo multi_objective_aggregation=normalize_then_sum (two rewards, weights 1 and 0.5)",
+    "GRPOConfig.num_iterations": "grpo",
+    "GRPOConfig.off_policy_mask_threshold": "grpo off_policy_mask_threshold=0.0",
+    "GRPOConfig.reward_weights": "grpo multi_objective_aggregation=normalize_then_sum (two rewards, weights 1 and 0.5)",
+    "GRPOConfig.sapo_temperature_neg": "sapo temperatures 0.5/2.0",
+    "GRPOConfig.sapo_temperature_pos": "sapo temperatures 0.5/2.0",
+    "GRPOConfig.scale_rewards": "grpo scale_rewards=batch",
+    "GRPOConfig.use_bias_correction_kl": "grpo beta=0.04 use_bias_correction_kl=False",
+    "GRPOConfig.vespo_k_neg": "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
+    "GRPOConfig.vespo_k_pos": "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
+    "GRPOConfig.vespo_lambda_neg": "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
+    "GRPOConfig.vespo_lambda_pos": "vespo k/lambda 1.5/2.5, 2.5/1.5, beta=0.04",
+    "GRPOConfig.num_generations": "grpo",
+    "GRPOConfig.entropy_coef": R + "the entropy bonus's gradient is not GC * grad log pi of the sampled tokens",
+    "GRPOConfig.entropy_coef_delta": R + "the adaptive entropy bonus (entropy_coef's controller)",
+    "GRPOConfig.entropy_coef_max": R + "the adaptive entropy bonus (entropy_coef's controller)",
+    "GRPOConfig.entropy_coef_min": R + "the adaptive entropy bonus (entropy_coef's controller)",
+    "GRPOConfig.entropy_target": R + "the adaptive entropy bonus (entropy_coef's controller)",
+    "GRPOConfig.use_adaptive_entropy": R + "the adaptive entropy bonus (entropy_coef's controller)",
+    "GRPOConfig.top_entropy_quantile": R + "the mask needs each position's entropy over the vocabulary",
+    "GRPOConfig.router_aux_loss_coef": R + "a mixture-of-experts router loss: gcfamily trains none",
+    "GRPOConfig.steps_per_generation": R + "num_minibatches splits a generation in order, TRL shuffles first",
+    "GRPOConfig.use_vllm": "grpo vllm IS correction token_truncate [0.5, 2]",
+    "GRPOConfig.vllm_importance_sampling_correction": "grpo vllm IS correction token_truncate [0.5, 2]",
+    "GRPOConfig.vllm_importance_sampling_clip_max": "grpo vllm IS correction token_truncate [0.5, 2]",
+    "GRPOConfig.vllm_importance_sampling_clip_min": "grpo vllm IS correction token_truncate [0.5, 2]",
+    "GRPOConfig.vllm_importance_sampling_mode": "grpo vllm IS correction sequence_mask [0.5, 2]",
+    "GRPOConfig.gradient_accumulation_steps": LOSS_CODE_ONLY + "micro_batch_size (gcfamily's Z counts the whole step)",
+    "GRPOConfig.per_device_train_batch_size": LOSS_CODE_ONLY + "batch_size",
+    "GRPOConfig.per_device_eval_batch_size": LOSS_CODE_ONLY + "evaluation batches",
+    "GRPOConfig.num_generations_eval": LOSS_CODE_ONLY + "evaluation's samples per prompt",
+    "GRPOConfig.pad_to_multiple_of": LOSS_CODE_ONLY + "padding",
+    "GRPOConfig.chat_template_kwargs": LOSS_CODE_ONLY + "the chat template",
+    "GRPOConfig.gradient_checkpointing_kwargs": LOSS_CODE_ONLY + "activation checkpointing",
+    "GRPOConfig.log_multimodal": LOSS_CODE_ONLY + "logging",
+    # -- GRPOConfig: the values of its choices
+    "GRPOConfig.loss_type=grpo": "grpo",
+    "GRPOConfig.loss_type=bnpo": "bnpo",
+    "GRPOConfig.loss_type=dr_grpo": "dr_grpo (scale_rewards=group, TRL's default)",
+    "GRPOConfig.loss_type=dapo": "dapo (TRL default: epsilon_high=epsilon)",
+    "GRPOConfig.loss_type=luspo": "luspo, importance_sampling_level=token",
+    "GRPOConfig.loss_type=cispo": "cispo epsilon_high=1.1 (TRL caps r at epsilon_high)",
+    "GRPOConfig.loss_type=sapo": "sapo",
+    "GRPOConfig.loss_type=vespo": "vespo",
+    "GRPOConfig.importance_sampling_level=token": "grpo",
+    "GRPOConfig.importance_sampling_level=sequence": "grpo importance_sampling_level=sequence (GSPO) [subclass]",
+    "GRPOConfig.scale_rewards=group": "grpo",
+    "GRPOConfig.scale_rewards=batch": "grpo scale_rewards=batch",
+    "GRPOConfig.scale_rewards=none": "grpo scale_rewards=none",
+    "GRPOConfig.multi_objective_aggregation=sum_then_normalize": "grpo",
+    "GRPOConfig.multi_objective_aggregation=normalize_then_sum": "grpo multi_objective_aggregation=normalize_then_sum (two rewards, weights 1 and 0.5)",
+    **{
+        f"GRPOConfig.vllm_importance_sampling_mode={m}": f"grpo vllm IS correction {m} [0.5, 2]"
+        for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    },
+    # -- DPOConfig
+    "DPOConfig.beta": "dpo sigmoid",
+    "DPOConfig.loss_type": "dpo sigmoid",
+    "DPOConfig.label_smoothing": "dpo robust eps=0.1",
+    "DPOConfig.discopop_tau": "dpo discopop tau=0.5",
+    "DPOConfig.f_divergence_type": "dpo f_divergence=forward_kl",
+    "DPOConfig.f_alpha_divergence_coef": "dpo f_divergence=alpha_divergence, alpha=0.3 (float32)",
+    "DPOConfig.ld_alpha": "dpo ld_alpha=0.5",
+    "DPOConfig.precompute_ref_log_probs": "dpo sigmoid",
+    "DPOConfig.loss_weights": R
+    + "several loss types summed, with the micro-batch token mean of sft: no gcfamily method sums them",
+    "DPOConfig.use_weighting": R + "WPO's weights need sum_v pi(v)^2 at each position, over the vocabulary",
+    "DPOConfig.router_aux_loss_coef": R + "a mixture-of-experts router loss: gcfamily trains none",
+    "DPOConfig.gradient_checkpointing_kwargs": LOSS_CODE_ONLY + "activation checkpointing",
+    "DPOConfig.loss_type=sigmoid": "dpo sigmoid",
+    "DPOConfig.loss_type=hinge": "dpo hinge",
+    "DPOConfig.loss_type=ipo": "dpo ipo (per-token means) as ipo-norm",
+    "DPOConfig.loss_type=exo_pair": "dpo exo_pair eps=1e-3",
+    "DPOConfig.loss_type=nca_pair": "dpo nca_pair",
+    "DPOConfig.loss_type=robust": "dpo robust eps=0.1",
+    "DPOConfig.loss_type=bco_pair": "dpo bco_pair",
+    "DPOConfig.loss_type=sppo_hard": "dpo sppo_hard",
+    "DPOConfig.loss_type=apo_zero": "dpo apo_zero",
+    "DPOConfig.loss_type=apo_down": "dpo apo_down",
+    "DPOConfig.loss_type=discopop": "dpo discopop tau=0.05",
+    "DPOConfig.loss_type=sigmoid_norm": "dpo sigmoid_norm",
+    "DPOConfig.loss_type=aot": R
+    + "the loss sorts the micro-batch's log-ratios across pairs: a pair's gradient depends on how a step is split",
+    "DPOConfig.loss_type=aot_unpaired": R
+    + "the loss sorts the micro-batch's log-ratios across pairs: a pair's gradient depends on how a step is split",
+    "DPOConfig.loss_type=sft": R
+    + "the NLL averaged over the micro-batch's chosen tokens (a token count, not pairs), alone or in loss_weights",
+    "DPOConfig.f_divergence_type=reverse_kl": "dpo sigmoid",
+    "DPOConfig.f_divergence_type=forward_kl": "dpo f_divergence=forward_kl",
+    "DPOConfig.f_divergence_type=js_divergence": "dpo f_divergence=js_divergence",
+    "DPOConfig.f_divergence_type=alpha_divergence": "dpo f_divergence=alpha_divergence, alpha=0.3 (float32)",
+}
+"""Each option TRL's loss code reads: the ROWS row that checks it, "refused: " and why, or what it shapes besides the
+loss. `enumerate_options` must find no option this table lacks, and every row named must be a row."""
+
+
+def enumerate_options() -> list[str]:
+    """TRL's loss options, read from its code (LOSS_CODE): "Config.field" and "Config.field=value"."""
+    import inspect
+    import re
+
+    import trl
+
+    found: set[str] = set()
+    pick = re.compile(r"(" + "|".join(CHOICES) + r")\s*(?:==|!=|in)\s*(\[[^\]]*\]|\"[^\"]*\"|\([^)]*\))")
+    for cfg_name, (trainer, fns) in LOSS_CODE.items():
+        fields = {f.name for f in dataclasses.fields(getattr(trl, cfg_name))}
+        src = "".join(inspect.getsource(getattr(getattr(trl, trainer), fn)) for fn in fns)
+        names = set(re.findall(r"self\.args\.(\w+)", src)) | set(re.findall(r"self\.(\w+)", src))
+        found |= {f"{cfg_name}.{ALIASES.get(n, n)}" for n in names if ALIASES.get(n, n) in fields}
+        for field_name, rhs in pick.findall(src):
+            found |= {f"{cfg_name}.{field_name}={v}" for v in re.findall(r'"([^"]*)"', rhs)}
+    return sorted(found)
+
+
+def option_counts(results: dict[str, bool]) -> tuple[int, int, int, list[str]]:
+    """(checked, refused, loss-free, problems) over the enumerated options: a checked option's row must exist and
+    have come out as expected (results: row name -> ok)."""
+    checked = refused = free = 0
+    problems = []
+    for opt in enumerate_options():
+        st = OPTION_STATUS.get(opt)
+        if st is None:
+            problems.append(f"{opt}: UNMAPPED (TRL's loss code reads it; add its row or its reason)")
+        elif st.startswith(R):
+            refused += 1
+        elif st.startswith(LOSS_CODE_ONLY):
+            free += 1
+        elif st not in results:
+            problems.append(f"{opt}: its row '{st}' was not run")
+        elif not results[st]:
+            problems.append(f"{opt}: its row '{st}' failed")
+        else:
+            checked += 1
+    return checked, refused, free, problems
+
+
 def mixup_diff(alpha: float) -> float:
     """Max |difference| between gcfamily's mix_reference and TRL's own SyncRefModelCallback._sync_target_model on two
     random float64 modules of one layout."""
@@ -1108,6 +1322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{'row':<62} {'expect':<6} {'|loss diff|':>11} {'|grad diff|':>11} {'|adv diff|':>10} {'max|grad|':>9}  status"
     )
     failed = 0
+    row_ok: dict[str, bool] = {}
     cov: dict[str, int] = defaultdict(int)
     with tempfile.TemporaryDirectory() as wd:
         for row in rows:
@@ -1115,6 +1330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ld, gd = max(r["loss_diff"] for r in results), max(r["grad_diff"] for r in results)
             ad = [r["adv_diff"] for r in results if r["adv_diff"] is not None]
             ok = all(r["ok"] for r in results)
+            row_ok[row.name] = ok
             failed += not ok
             for r in results:
                 for k, v in r.get("coverage", {}).items():
@@ -1130,6 +1346,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         "GRPO cases reached (summed over rows and seeds; clips count tokens, or rows for a sequence ratio): "
         + ", ".join(f"{k} {v}" for k, v in cov.items())
     )
+    if not a.rows:  # every row ran: the enumerated options against them
+        checked, refused, free, problems = option_counts(row_ok)
+        print(
+            f"TRL's loss options enumerated from its code: {len(enumerate_options())}; checked by a row {checked}, "
+            f"refused with a reason {refused}, no loss term {free}"
+        )
+        for p in problems:
+            print("  " + p)
+        failed += len(problems)
     mix = mixup_diff(0.6)
     print(
         f"ref_model_mixup_alpha=0.6 (gcfamily's ref_mixup_alpha, mix_reference) vs TRL's SyncRefModelCallback: max |diff| {mix:.2e}"

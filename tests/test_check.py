@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from gcfamily.check import cases as check_cases
+from gcfamily.methods import get_method
+
+GRPO_CASES = len(check_cases(get_method("grpo")))
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gspo.py"
 
 # GSPO's coefficient with the clip removed: s_i * A_i on every token, times the row's mean sampler weight (tis; 1 when
@@ -58,7 +63,10 @@ def test_builtin_method_passes_and_shows_diffs_and_branches(gcf) -> None:
         "case multi-turn episodes, clip and KL, token",
         "environment tokens inside completions",
         "(c) d loss/d logits on the environment's tokens (exactly 0)",
-        "13 cases: 13 passed, 0 failed",
+        f"{GRPO_CASES} cases: {GRPO_CASES} passed, 0 failed",
+        "case truncated samples masked, clip and KL",
+        "case off-policy mask 0, clip and KL",
+        "case two rewards standardised apart, then summed",
     ):
         assert line in out, line
     assert "FAILED" not in out

@@ -513,11 +513,6 @@ def test_the_estimators_two_steps(tmp_path, name: str):
 # ============================================================================= REINFORCE++ (verl's estimators)
 
 
-class _Sum:
-    def all_sum(self, x):  # one process
-        return x
-
-
 def test_reinforce_pp_by_hand():
     m = make("reinforce-pp-baseline", group_size=2)
     m.services, m.lengths = _Sum(), torch.tensor([[1.0, 2.0], [1.0, 1.0]])

@@ -40,7 +40,7 @@ def test_row(row: "parity.Row", workdir: str) -> None:
         return
     calls = res["trl_calls"]  # which log-probs TRL's own advantage and loss code asked for
     assert calls.count("policy") == 1
-    assert ("old" in calls) == (row.trl.get("num_iterations", 1) > 1)
+    assert ("old" in calls) == (row.trl.get("num_iterations", 1) > 1 or row.trl.get("use_vllm", False))
     assert ("ref" in calls) == (row.trl.get("beta", 0.0) > 0)
     if "coverage" in res:  # pi_old != pi at token level: every branch the row relies on was reached
         c = res["coverage"]

@@ -58,6 +58,11 @@ class ReinforceBaseline(GRPO):
             raise GcfError(
                 "Invalid setting: reinforce-baseline takes scale_rewards none or batch; group would zero equal-reward groups."
             )
+        if s.reward_aggregation != "sum_then_normalize":
+            raise GcfError(
+                "reinforce-baseline takes reward_aggregation=sum_then_normalize only: its baseline is a running mean of "
+                "past rewards, and normalize_then_sum's group z-scores have none to keep."
+            )
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
