@@ -330,6 +330,21 @@ ROWS: list[Row] = [
         "mu=2 std_eps=1e-4 beta=0.04 kl_estimator=k3-importance-weighted kl_clamp=none off_policy_mask=0.0",
     ),
     Row(
+        "grpo off_policy_mask_threshold=0.0 on vLLM's sampler log-probs",
+        "grpo",
+        {
+            "loss_type": "grpo",
+            "off_policy_mask_threshold": 0.0,
+            "use_vllm": True,
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "token_truncate",
+            "vllm_importance_sampling_clip_max": 2.0,
+            **MU2,
+        },
+        "grpo",
+        "mu=2 std_eps=1e-4 beta=0 off_policy_mask=0.0 tis=token_truncate tis_max=2.0",
+    ),
+    Row(
         "dapo off_policy_mask_threshold=0.02",
         "grpo",
         {"loss_type": "dapo", "off_policy_mask_threshold": 0.02, **MU2},
@@ -1032,7 +1047,9 @@ def gcf_grpo(row: Row, case: dict) -> dict[str, Any]:
         valid=torch.ones(B, dtype=torch.bool),
         truncated=~case["ends"],  # [B] no EOS within the budget (the rollout's flag)
         reward_parts=torch.stack([case["rewards"], case["rewards2"]], 1).float(),  # [B, 2] each function's own
-        sample_logps=case["sample"] * loss_mask,  # [B, P+T] the sampler's (read with tis on)
+        # the sampler's log-probs [B, P+T] where TRL has them (vLLM's); without, TRL's off-policy mask reads pi_old, and
+        # so does gcfamily's on a batch without them
+        sample_logps=case["sample"] * loss_mask if row.trl.get("use_vllm") else None,
     )
     batch, _ = method.prepare(batch)
     out = _step(method, batch, case["logps"])
