@@ -8,6 +8,8 @@
                 REINFORCE when the gradient's norm grows with length); no std.
 
 The rest is GRPO's rule (clip, KL, aggregation); verl's GRPO-style runs use loss_norm=token and std_eps=1e-6.
+REINFORCE++'s class is past the zoo's 40 lines: its whitening is over every process's tokens (an all_sum of three
+sums) in two variances (verl's and OpenRLHF's), and it refuses the settings that would change what it whitens.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ phi(1) = 1, so on-policy VESPO is REINFORCE with GRPO's advantage; off-policy, p
 density's shape, its peak at w = k / lambda), softly down-weighting whole sequences whose ratio strays. GC = phi_i A_i
 (the weight is a constant of the step), token-level as TRL's (Z = tokens), no KL by default. TRL folds its vLLM
 sampler ratio into w; this rule refuses tis instead of weighing each token by it (its weight is per sequence).
+Its size (past the zoo's 40 lines): four settings of TRL's with their docstrings, and the refusals of the clip's
+settings and of tis, which the rule would otherwise ignore silently.
 """
 
 from __future__ import annotations
