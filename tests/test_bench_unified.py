@@ -57,6 +57,16 @@ def test_quick_unified_suite_end_to_end(tmp_path: Path) -> None:
     md = (out / "bench.md").read_text()
     assert "## Findings" in md and md.count("| (") == len(FINDINGS)
     assert [f["finding"] for f in data["findings"]] == [f[0] for f in FINDINGS]
+    # seed by seed, the control and the reference RL method first; sampled pass@1 kept per prompt; every stage-2 run
+    # compared with the control and given its "did it move" line
+    assert list(runs)[:3] == [STAGE, "sft/seed-0", "grpo/seed-0"]
+    k = UNIFIED["quick"]["measure"]["sample_k"]
+    assert all(v * k == round(v * k) for x in runs.values() for v in x["per_prompt"]["pass1"].values())
+    assert len(runs[STAGE]["per_prompt"]["pass1"]) == UNIFIED["quick"]["measure"]["sample_prompts"]
+    assert sorted(g["a"] for g in data["control_gains"]) == sorted(m for m in methods if m != "sft")
+    assert set(data["moved"]) == {f"{m}/seed-0" for m in methods}
+    assert "## Each method against the SFT control at the same step" in md and "## Did it move" in md
+    assert all(f"| {m}/seed-0 | " in md for m in methods) and "Stopped by the gate" not in md
     # the same command again keeps every finished run
     again = _gcf("bench", "--suite", "unified", "--quick", "--output-dir", str(out), cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.count("kept the finished run") == len(runs)
@@ -89,16 +99,91 @@ def test_verdicts() -> None:
 
 
 def test_unified_refuses_what_it_decides_itself(tmp_path: Path) -> None:
-    r = _gcf(
-        "bench", "--suite", "unified", "--quick", "--methods", "sft", "--output-dir", str(tmp_path / "x"), cwd=tmp_path
-    )
-    assert (
-        r.returncode == 2 and "--methods does not go with --suite unified" in r.stderr and "Traceback" not in r.stderr
-    )
+    for args, says in (
+        (["--baseline", "sft"], "--baseline does not go with --suite unified"),
+        (["--methods", "sft,nosuch"], "--methods nosuch is not a method of the unified suite"),
+        (["--budget", "time:60"], "--budget with --suite unified is steps:N"),
+    ):
+        r = _gcf("bench", "--suite", "unified", "--quick", *args, "--output-dir", str(tmp_path / "x"), cwd=tmp_path)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode != 0 and len(lines) == 1 and says in lines[0], r.stderr
+    assert not (tmp_path / "x").exists()
     from gcfamily.bench.unified import plans_of
 
     with pytest.raises(GcfError, match="names no run of the unified suite"):
         plans_of(tmp_path, True, 1, {"nosuch.lr": "1"}, None, None)
+
+
+def test_a_subset_and_a_budget_of_steps(tmp_path: Path) -> None:
+    from gcfamily.bench.unified import plans_of
+
+    stage, plans = plans_of(tmp_path, True, 2, {}, None, None, ["rft", "grpo", "sft"], 5)
+    assert list(plans) == [f"{m}/seed-{k}" for k in (0, 1) for m in ("sft", "grpo", "rft")]
+    assert {p["settings"]["max_steps"] for p in plans.values()} == {5}
+    assert stage["settings"]["max_steps"] == UNIFIED["quick"]["sft_stage"]["max_steps"]  # stage 1 keeps its own
+
+
+def test_the_gate_stops_a_suite_whose_reference_did_not_move(tmp_path: Path) -> None:
+    out = tmp_path / "g"
+    r = _gcf(
+        "bench", "--suite", "unified", "--quick", "--methods", "sft,grpo,rft", "--gate", "--output-dir", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "The reference RL method (grpo, seed 0) moved" in lines[0], (
+        r.stderr
+    )
+    assert not (out / "rft").exists()  # stopped before the rest
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data["results"]) == {STAGE, "sft/seed-0", "grpo/seed-0"} and data["header"]["stopped"]
+    assert "Stopped by the gate" in (out / "bench.md").read_text()
+
+
+def _record(pass1: list[float], greedy: list[float], rewards: list[float] | None = None) -> dict:
+    return {
+        "returncode": 0,
+        "per_prompt": {
+            "pass1": {str(i): v for i, v in enumerate(pass1)},
+            "accuracy": {str(i): v for i, v in enumerate(greedy)},
+        },
+        "per_step": [{"step": s + 1, "reward/mean": v} for s, v in enumerate(rewards or [])],
+        "kl_ref": 0.01,
+    }
+
+
+def test_gate_and_moved_from_records() -> None:
+    from gcfamily.bench.moved import gate, moved
+
+    n = 200
+    base = [(i % 4) / 8 for i in range(n)]  # a spread of pass@1 over prompts
+    greedy = [float(i % 2) for i in range(n)]
+    still = {STAGE: _record(base, greedy), "grpo/seed-0": _record(base, greedy)}
+    assert "not more than that difference's MDD" in gate(still)
+    up = [min(1.0, v + 0.25) for v in base]
+    flipped = [1.0 if i % 4 == 0 else g for i, g in enumerate(greedy)]  # 50 prompts wrong -> right
+    rising = [0.1 * s for s in range(10)]
+    flat = [0.2] * 10
+    went = {
+        STAGE: _record(base, greedy),
+        "grpo/seed-0": _record(up, flipped, rising),
+        "rft/seed-0": _record(base, greedy, flat),
+    }
+    assert gate(went) is None
+    m = moved(went)
+    assert m["grpo/seed-0"]["flips"] == (50, 0, n)
+    assert m["grpo/seed-0"]["pass1"]["diff"] == pytest.approx(sum(up) / n - sum(base) / n)
+    assert m["grpo/seed-0"]["reward_slope"] == pytest.approx(1.0)  # 0.1 a step: 1.0 per 10 steps
+    assert m["grpo/seed-0"]["reward_slope_vs_seed"] == pytest.approx(1.0)  # the other run is flat
+    assert m["rft/seed-0"]["reward_slope"] == pytest.approx(0.0) and m["rft/seed-0"][
+        "reward_slope_vs_seed"
+    ] == pytest.approx(-1.0)
+    # a rise shared by every run of the seed (the prompt order) is no slope against the seed
+    shared = {
+        STAGE: _record(base, greedy),
+        "a/seed-0": _record(base, greedy, rising),
+        "b/seed-0": _record(base, greedy, rising),
+    }
+    assert moved(shared)["a/seed-0"]["reward_slope_vs_seed"] == pytest.approx(0.0)
 
 
 def test_curves_are_against_prompts_seen_when_every_method_takes_the_same_prompts_a_step() -> None:

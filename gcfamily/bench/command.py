@@ -25,7 +25,7 @@ def _out_folder(out: str) -> Path:
 @click.option(
     "--methods",
     default=None,
-    help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}.",
+    help=f"Comma-separated methods (names, module:Class or path/to/file.py:Class), or all (the whole zoo); default {','.join(DEFAULT_METHODS)}. With --suite unified: a subset of its seven (default all).",
 )
 @click.option("--model", default=None, help="Model for every method; default smollm2-135m (tiny with --quick).")
 @click.option(
@@ -45,7 +45,7 @@ def _out_folder(out: str) -> Path:
 @click.option(
     "--budget",
     default=None,
-    help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick).",
+    help="steps:N | tokens:N | time:SECONDS | flops:N (estimated training FLOPs), the same for each method; default time:210 (steps:60 with --quick). With --suite unified: steps:N, every method's stage-2 steps.",
 )
 @click.option("--quick", is_flag=True, help="The suite on the tiny random model: minutes on a laptop CPU.")
 @click.option(
@@ -124,6 +124,12 @@ def _out_folder(out: str) -> Path:
     help="With --plan: how many held-out prompts the task has (default: the bench's own).",
 )
 @click.option(
+    "--gate/--no-gate",
+    default=None,
+    help="With --suite unified: stop after seed 0's reference RL method (grpo) when it did not move sampled pass@1 from "
+    "pi_sft by more than that difference's MDD (--no-gate runs every method anyway); default on, off with --quick.",
+)
+@click.option(
     "--reward",
     multiple=True,
     help="With --dataset: reward(s) for the on-policy methods and the evaluation: built-in name, module:function or file.py:function.",
@@ -149,6 +155,7 @@ def bench(
     plan_from: Optional[str],
     target_mdd: Optional[float],
     prompts_available: Optional[int],
+    gate: Optional[bool],
 ) -> None:
     """Run several methods on one model, task and budget; write a table, plots and a JSON of every figure. With --plan,
     say instead what an earlier bench could detect and what design detects --target-mdd."""
@@ -165,8 +172,6 @@ def bench(
         given = [
             n
             for n, v in (
-                ("--methods", methods),
-                ("--budget", budget),
                 ("--baseline", baseline),
                 ("--sweep", sweep),
                 ("--dataset", dataset),
@@ -174,17 +179,29 @@ def bench(
             if v
         ]
         if given:
-            raise GcfError(
-                f"{given[0]} does not go with --suite unified: its methods, budget and control are the paper's."
-            )
-        from gcfamily.bench.unified import run_unified
+            raise GcfError(f"{given[0]} does not go with --suite unified: its control and data are the paper's.")
+        from gcfamily.bench.unified import run_unified, unified_steps
 
         folder = _out_folder(out or ("runs/bench-unified-quick" if quick else "runs/bench-unified"))
         if target_mdd is not None:
             from gcfamily.bench.power import reachable
 
             click.echo(reachable(folder / "bench.json", target_mdd, seeds, parse_sets(sets).get("eval_samples")))
-        res = run_unified(folder, quick, seeds, parse_sets(sets), threads, click.echo, fresh, replace_runs, model, task)
+        res = run_unified(
+            folder,
+            quick,
+            seeds,
+            parse_sets(sets),
+            threads,
+            click.echo,
+            fresh,
+            replace_runs,
+            model,
+            task,
+            [m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+            unified_steps(budget),
+            (not quick) if gate is None else gate,
+        )
         failed = [n for n, r in res["results"].items() if r.get("returncode") != 0]
         if failed:
             raise GcfError(f"{', '.join(failed)} failed; the table marks them and each folder's bench.log says why.")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from gcfamily.bench.findings import STAGE, _per_prompt, findings, findings_table
+from gcfamily.bench.findings import CONTROL, STAGE, _per_prompt, control_gains, findings, findings_table
 from gcfamily.errors import GcfError
 
 _ONPOLICY = {"micro_batch_size": 32}
@@ -143,16 +143,32 @@ def _with_sets(s: dict[str, Any], name: str, sets: dict[str, str]) -> dict[str, 
 
 
 def plans_of(
-    out: Path, quick: bool, seeds: int, sets: dict[str, str], model: Optional[str], task: Optional[str]
+    out: Path,
+    quick: bool,
+    seeds: int,
+    sets: dict[str, str],
+    model: Optional[str],
+    task: Optional[str],
+    methods: Optional[list[str]] = None,
+    steps: Optional[int] = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(stage 1's plan, stage 2's plans by OUT-relative folder): settings checked before any run starts."""
+    """(stage 1's plan, stage 2's plans by OUT-relative folder, in the order they run): settings checked before any run
+    starts. Seed by seed, the SFT control and the reference RL method first (the gate reads them), then the rest."""
+    from gcfamily.bench.moved import REFERENCE
     from gcfamily.bench.plan import share_start_evaluations
     from gcfamily.config import validate
     from gcfamily.methods import resolve, setting_names
 
     suite = UNIFIED["quick" if quick else "default"]
     model, task = model or suite["model"], task or suite["task"]
+    steps = steps or suite["steps"]
     known = {STAGE, *suite["methods"]}
+    chosen = methods or list(suite["methods"])
+    unknown = [m for m in chosen if m not in suite["methods"]]
+    if unknown:
+        raise GcfError(
+            f"--methods {unknown[0]} is not a method of the unified suite (choose among {', '.join(suite['methods'])})."
+        )
     bad = [k for k in sets if "." in k and k.rpartition(".")[0] not in known]
     if bad:
         raise GcfError(f"--set {bad[0]} names no run of the unified suite ({', '.join(sorted(known))}).")
@@ -161,25 +177,21 @@ def plans_of(
     validate(resolve(None, stage))
     pi_sft = str((out / STAGE).resolve())
     measure = dict(suite["measure"])
+    first = [m for m in (CONTROL, REFERENCE) if m in chosen]
+    order = first + [m for m in suite["methods"] if m in chosen and m not in first]
     plans: dict[str, dict[str, Any]] = {}
-    for name, recipe in suite["methods"].items():
-        for k in range(seeds):
+    for k in range(seeds):
+        for name in order:
             key = f"{name}/seed-{k}"  # so --seeds N+1 into the same folder keeps the runs of --seeds N
             s = _base(
-                {
-                    "method": name,
-                    "model": pi_sft,
-                    "task": task,
-                    **suite["common"],
-                    **recipe,
-                    "max_steps": suite["steps"],
-                },
+                {"method": name, "model": pi_sft, "task": task, **suite["common"], **suite["methods"][name]},
                 out,
                 key,
             )
+            s["max_steps"] = steps
             # offline data: G samples of each prompt the run will see, no more
             if "pool_prompts" in setting_names(name):
-                s["pool_prompts"] = suite["steps"] * s["batch_size"]
+                s["pool_prompts"] = steps * s["batch_size"]
             s = _with_sets(s, name, sets)
             s["seed"] = int(s.get("seed", 0)) + k
             validate(resolve(None, s))
@@ -189,6 +201,18 @@ def plans_of(
     rest = {k: p for k, p in plans.items() if "start_eval_from" not in p}
     share_start_evaluations(rest)
     return {"method_spec": "sft", "settings": stage, **measure}, plans
+
+
+def unified_steps(budget: Optional[str]) -> Optional[int]:
+    """--budget for the unified suite: steps:N, the stage-2 steps of every method (stage 1 keeps its own)."""
+    if budget is None:
+        return None
+    kind, _, n = budget.partition(":")
+    if kind.strip() != "steps" or not n.strip().isdigit() or int(n) < 1:
+        raise GcfError(
+            f"--budget with --suite unified is steps:N (N at least 1): every method the same steps, not {budget!r}."
+        )
+    return int(n)
 
 
 def _times(header: dict[str, Any]) -> str:
@@ -218,15 +242,19 @@ def run_unified(
     replace_runs: bool = False,
     model: Optional[str] = None,
     task: Optional[str] = None,
+    methods: Optional[list[str]] = None,
+    steps: Optional[int] = None,
+    use_gate: bool = True,
 ) -> dict[str, Any]:
-    """Stage 1 (pi_sft), then stage 2 (every method from pi_sft, `seeds` times), then bench.md, bench.json and the plots."""
+    """Stage 1 (pi_sft), then stage 2 (every method from pi_sft, `seeds` times), then bench.md, bench.json and the plots.
+    With `use_gate`, the suite stops after seed 0's reference RL run when it did not move (bench/moved.py: `gate`)."""
+    from gcfamily.bench.moved import REFERENCE, gate
     from gcfamily.bench.report import fmt, summarise
     from gcfamily.bench.runs import _load, check_run_folder, finished_run, launch
-    from gcfamily.bench.seeds import band_plots, seeds_table
 
     if seeds < 1:
         raise GcfError("--seeds must be at least 1.")
-    stage, plans = plans_of(out, quick, seeds, sets, model, task)
+    stage, plans = plans_of(out, quick, seeds, sets, model, task, methods, steps)
     for name, plan in [(STAGE, stage), *plans.items()]:  # every folder before the first run
         check_run_folder(out / name, plan, replace_runs)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +274,7 @@ def run_unified(
     }
     results: dict[str, dict[str, Any]] = {}
     kept = []
+    stopped = None
     for name, plan in [(STAGE, stage), *plans.items()]:
         proc = None if fresh else finished_run(out / name, plan)
         if proc is not None:
@@ -267,7 +296,31 @@ def run_unified(
             if proc["returncode"] == 0
             else f"[bench] {name}: FAILED with exit {proc['returncode']}; see {out / name}/bench.log"
         )
-    header.update(load_end=_load(), total_s=time.perf_counter() - t0, kept=kept)
+        if use_gate and name == f"{REFERENCE}/seed-0":
+            stopped = gate(results)
+            if stopped:
+                break
+    header.update(load_end=_load(), total_s=time.perf_counter() - t0, kept=kept, stopped=stopped)
+    found = write_report(out, header, stage, plans, results, seeds, echo)
+    if stopped:
+        raise GcfError(stopped)
+    return {"header": header, "results": results, "findings": found}
+
+
+def write_report(
+    out: Path,
+    header: dict[str, Any],
+    stage: dict[str, Any],
+    plans: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+    seeds: int,
+    echo: Any = print,
+) -> list[dict[str, Any]]:
+    """bench.md, bench.json and the band plots of the runs in `results` (all of the suite's, or those before the gate)."""
+    from gcfamily.bench.moved import moved, moved_table
+    from gcfamily.bench.report import fmt
+    from gcfamily.bench.seeds import band_plots, seeds_table
+
     walls = {key: r.get("wall_s") for key, r in results.items()}
     header["stage1_s"] = walls.get(STAGE)
     # each seed's stage 2: what one more seed costs; one seed from scratch is stage1_s + seed_s[0]
@@ -278,18 +331,30 @@ def run_unified(
     for r in results.values():  # the scores the findings pair, prompt by prompt, so bench.json alone recomputes them
         r["per_prompt"] = {
             f: {str(i): v for (i, _), v in sorted((_per_prompt(r, f) or {}).items())}
-            for f in ("accuracy", "maj", "pass")
+            for f in ("accuracy", "pass1", "maj", "pass")
         }
     found = findings(per_method)
+    gains = control_gains(per_method)
+    movement = moved(results)
     stage_row = results[STAGE]
     text = (
-        seeds_table({k: v for k, v in per_method.items() if k != STAGE}, header, "sft")
+        (f"**Stopped by the gate:** {header['stopped']}\n\n" if header.get("stopped") else "")
+        + seeds_table(
+            {k: v for k, v in per_method.items() if k != STAGE}, header, CONTROL if CONTROL in per_method else None
+        )
         + f"\npi_sft (stage 1, {stage_row.get('steps')} SFT steps): held-out accuracy {fmt(stage_row.get('accuracy_before'), '.3f')} -> "
-        f"{fmt(stage_row.get('accuracy_after'), '.3f')}, Maj@K {fmt(stage_row.get('maj_at_k'), '.3f')}, "
-        f"Pass@K {fmt(stage_row.get('pass_at_k'), '.3f')} (k={stage_row.get('k')}).\n\n"
+        f"{fmt(stage_row.get('accuracy_after'), '.3f')}, sampled pass@1 {fmt(stage_row.get('pass_at_1'), '.3f')}, "
+        f"Maj@K {fmt(stage_row.get('maj_at_k'), '.3f')}, Pass@K {fmt(stage_row.get('pass_at_k'), '.3f')} (k={stage_row.get('k')}).\n\n"
         + _times(header)
         + "\n## Findings (DeepSeekMath 5.2.2)\n\n"
         + findings_table(found)
+        + (
+            "\n## Each method against the SFT control at the same step\n\n" + findings_table(gains, "method")
+            if gains
+            else ""
+        )
+        + "\n## Did it move\n\n"
+        + moved_table(movement)
     )
     (out / "bench.md").write_text(text)
     per_step = {p["settings"]["batch_size"] for p in plans.values()}  # prompts a step: the paper's axis when all agree
@@ -303,10 +368,12 @@ def run_unified(
                 "settings": {STAGE: stage["settings"], **{n: p["settings"] for n, p in plans.items()}},
                 "results": results,
                 "findings": found,
+                "control_gains": gains,
+                "moved": movement,
             },
             indent=1,
             default=str,
         )
     )
     echo(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}" + "".join(f", {p}" for p in pngs))
-    return {"header": header, "results": results, "findings": found}
+    return found
