@@ -94,3 +94,20 @@ def test_gcf_bench_plan_and_a_suite_that_cannot_reach_its_target(tmp_path):
     with pytest.raises(GcfError, match="between 0 and 1"):
         power.plan(BENCH, 1.5)
     assert math.isfinite(power.components(power.scores(json.loads(open(BENCH).read()))).se(1, 1))
+
+
+def test_a_plan_is_for_sampled_pass_at_1_where_the_runs_kept_it():
+    rng = np.random.default_rng(2)
+    greedy = _simulate(rng, 2, 2, 50, sd_run=0.03, sd_pm=0.05)
+    results = {}
+    for m, runs in greedy.items():
+        for k, row in enumerate(runs):
+            per = {"accuracy": {str(i): v for i, v in enumerate(row)}}
+            if m == "m0" or k == 0:  # pass@1 kept by m0's two seeds and m1's first only: not enough for a plan
+                per["pass1"] = {str(i): v / 4 for i, v in enumerate(rng.integers(0, 5, 50).tolist())}
+            results[f"{m}/seed-{k}"] = {"per_prompt": per}
+    figure, scores = power.compared({"results": results})
+    assert figure == "greedy accuracy" and scores == greedy
+    results["m1/seed-1"]["per_prompt"]["pass1"] = {str(i): 0.25 for i in range(50)}
+    figure, scores = power.compared({"results": results})
+    assert figure == "sampled pass@1" and scores["m1"][1] == [0.25] * 50

@@ -1,10 +1,11 @@
 """What a comparison can detect, and the design that detects what is asked: `gcf bench --plan`.
 
 A difference between two trained methods, paired on the same held-out prompts, varies for three reasons, estimated
-from a bench's own per-prompt scores (bench.json, each run's `per_prompt`):
+from a bench's own per-prompt scores (bench.json, each run's `per_prompt`: sampled pass@1, the share of a prompt's k
+samples that are right, where the runs kept it, else greedy 0/1 correctness):
 
     sigma_run^2    a whole run's shift (another seed moves every prompt's chance together); only seeds average it
-    sigma_flip^2   a prompt's answer flipping between seeds of one method; seeds and prompts average it
+    sigma_flip^2   a prompt's score changing between seeds of one method; seeds and prompts average it
     sigma_pm^2     a method being better on some prompts than on others; only prompts average it
 
 so a design of S seeds per method and P prompts has
@@ -38,7 +39,7 @@ from gcfamily.errors import GcfError
 
 @dataclass
 class Components:
-    """The variance components of a per-prompt 0/1 score, and the design they were measured at."""
+    """The variance components of a per-prompt score, and the design they were measured at."""
 
     run: float
     flip: float
@@ -64,6 +65,15 @@ def scores(bench: dict[str, Any], figure: str = "accuracy") -> dict[str, list[li
             continue
         out.setdefault(key.split("/seed-")[0], []).append([float(per[i]) for i in sorted(per, key=int)])
     return {m: s for m, s in out.items() if len({len(x) for x in s}) == 1}
+
+
+def compared(bench: dict[str, Any]) -> tuple[str, dict[str, list[list[float]]]]:
+    """The figure a plan is for and its scores: sampled pass@1 (the unified suite's compared figure) where at least two
+    methods kept it for two seeds or more, else greedy accuracy."""
+    sampled = scores(bench, "pass1")
+    if sum(1 for s in sampled.values() if len(s) >= 2) >= 2:
+        return "sampled pass@1", sampled
+    return "greedy accuracy", scores(bench)
 
 
 def components(per_method: dict[str, list[list[float]]]) -> Components:
@@ -121,12 +131,13 @@ def plan(bench_path: Path, target: float, methods: Optional[int] = None, max_pro
         bench = json.loads(Path(bench_path).read_text())
     except (OSError, ValueError) as e:
         raise GcfError(f"--plan reads a bench.json that `gcf bench` wrote; {bench_path} cannot be read ({e}).") from e
-    c = components(scores(bench))
+    figure, per_method = compared(bench)
+    c = components(per_method)
     n_methods = methods or c.methods
     steps = max((int(r.get("steps") or 0) for k, r in bench["results"].items() if "/seed-" in k), default=0)
     pool = max_prompts or c.prompts
     lines = [
-        f"plan from {bench_path}: {c.methods} methods x {c.seeds} seeds on {c.prompts} prompts (greedy accuracy)",
+        f"plan from {bench_path}: {c.methods} methods x {c.seeds} seeds on {c.prompts} prompts ({figure})",
         f"variance components: run shift sigma_run = {math.sqrt(c.run):.3f}, prompt flips between seeds "
         f"sigma_flip = {math.sqrt(c.flip):.3f}, method x prompt sigma_pm = {math.sqrt(c.pm):.3f}",
         f"this design ({c.seeds} seeds, {c.prompts} prompts): MDD {c.mdd(c.seeds, c.prompts):.3f} between two trained "
@@ -178,7 +189,7 @@ def reachable(pilot: Path, target: float, seeds: int, prompts: Optional[str] = N
         return (
             f"no earlier bench.json in {pilot.parent}: the MDD of this design is not predicted (it is measured after)"
         )
-    c = components(scores(json.loads(pilot.read_text())))
+    c = components(compared(json.loads(pilot.read_text()))[1])
     P = int(prompts) if prompts else c.prompts
     got = c.mdd(seeds, P)
     if got > target:
