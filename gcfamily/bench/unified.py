@@ -48,15 +48,16 @@ def length_parity(completions: list, **kw: Any) -> list[float]:
 
 
 UNIFIED: dict[str, dict[str, Any]] = {
-    # Sized so that the methods move (issue 48: the earlier 12 steps of 4 prompts at G = 4 and lr 5e-6 left every method
-    # within 0.02 nats/token of pi_sft) and so that the one-hour design, `--methods sft,grpo,rft --seeds 2`, fits an hour
-    # on a 2-core CPU (docs/bench/unified/README.md has the measured times; the seven methods cost about 4x that a seed).
-    # Stage 2 trains every method for the same 24 steps of 8 prompts (192 prompts seen), G = 8 samples a prompt for the
-    # methods that sample, every method at stage 1's lr (DPO at 2e-6: its loss is a margin's, not a log-likelihood's), no
-    # KL term (beta 0: a reference forward would cost a third of each step). Each run is evaluated at its start (pi_sft's
-    # final evaluation, copied) and its end: greedy on 300 held-out prompts, and on the same prompts k = 4 samples at
-    # temperature 1, whose share right (sampled pass@1) is the compared figure, Maj@4 and Pass@4 beside it; the KL to
-    # pi_sft on 32. Every held-out prompt (970) is --set eval_samples=970 (about 3x the evaluation time).
+    # Sized so that the methods can move (issue 48: the earlier 12 steps of 4 prompts at G = 4 left every method within
+    # 0.02 nats/token of pi_sft). Stage 2 trains every method for the same 24 steps of 8 prompts (192 prompts seen), G = 8
+    # samples a prompt for the methods that sample, no KL term (beta 0: a reference forward would cost a third of each
+    # step); the RL methods at lr 5e-6 (GRPO from pi_sft on chained at 1e-5 and 2e-5 lost 10-14 points of greedy accuracy
+    # in 8 steps). Each run is evaluated at its start (pi_sft's final evaluation, copied) and its end: greedily on
+    # eval_samples held-out prompts and, on the same prompts, with k = 4 samples at temperature 1, whose share right
+    # (sampled pass@1) is the compared figure, Maj@4 and Pass@4 beside it; the KL to pi_sft on 32. `tasks` adjusts the
+    # design to a task: on arithmetic (answers of a few tokens) stage 1 is 20 SFT steps, which leaves pi_sft at about 0.5,
+    # and a run takes a few minutes, so the methods fit three seeds in an hour (docs/bench/unified/README.md has the
+    # measured times); a chained run costs about four times as much.
     "default": {
         "model": "smollm2-135m",
         "task": "chained",
@@ -71,15 +72,18 @@ UNIFIED: dict[str, dict[str, Any]] = {
             "temperature": 1.0,
             "eval_every": 0,
         },
-        "measure": {"sample_k": 4, "sample_prompts": 300, "kl_prompts": 32},  # Maj@K and Pass@K: K samples a prompt
+        "measure": {"sample_k": 4, "sample_prompts": 500, "kl_prompts": 32},  # Maj@K and Pass@K: K samples a prompt
+        "tasks": {
+            "arithmetic": {"sft_stage": {"max_steps": 20}, "common": {"max_new_tokens": 16, "eval_samples": 500}},
+        },
         "methods": {
-            "sft": {"micro_batch_size": 8, "lr": 2e-5},
-            "rft-offline": {**_ONPOLICY, "lr": 2e-5},
-            "rft": {**_ONPOLICY, "lr": 2e-5},
-            "dpo": {"pairs": "own-samples", "micro_batch_size": 16, "lr": 2e-6, "beta": 0.1},
-            "ppo": {**_ONPOLICY, "lr": 2e-5, "beta": 0.0, "critic_lr": 2e-5},
-            "grpo": {**_ONPOLICY, "lr": 2e-5, "beta": 0.0},
-            "grpo-ps": {**_ONPOLICY, "lr": 2e-5, "beta": 0.0},
+            "sft": {"micro_batch_size": 8, "lr": 1e-5},
+            "rft-offline": {**_ONPOLICY, "lr": 1e-5},
+            "rft": {**_ONPOLICY, "lr": 1e-5},
+            "dpo": {"pairs": "own-samples", "micro_batch_size": 16, "lr": 1e-6, "beta": 0.1},
+            "ppo": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0, "critic_lr": 1e-5},
+            "grpo": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0},
+            "grpo-ps": {**_ONPOLICY, "lr": 5e-6, "beta": 0.0},
         },
     },
     "quick": {
@@ -164,6 +168,8 @@ def plans_of(
 
     suite = UNIFIED["quick" if quick else "default"]
     model, task = model or suite["model"], task or suite["task"]
+    adjust = suite.get("tasks", {}).get(task, {})
+    suite = {**suite, **{k: {**suite[k], **v} for k, v in adjust.items()}}
     steps = steps or suite["steps"]
     known = {STAGE, *suite["methods"]}
     chosen = methods or list(suite["methods"])
