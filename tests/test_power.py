@@ -13,7 +13,7 @@ from gcfamily.bench.command import bench
 from gcfamily.core.stats import detectable, mdd, seeds_bootstrap
 from gcfamily.errors import GcfError
 
-BENCH = power.__file__.rsplit("/gcfamily/", 1)[0] + "/docs/bench/unified/bench.json"
+BENCH = power.__file__.rsplit("/gcfamily/", 1)[0] + "/docs/bench/unified/chained-12-steps/bench.json"
 
 
 def test_mdd_is_2_80_standard_errors_at_80_percent_power():
@@ -67,7 +67,7 @@ def test_detectable_tells_a_ruled_out_difference_from_an_undetectable_one():
 
 
 def test_the_plan_of_the_unified_bench_reproduces_its_mdd():
-    """docs/bench/unified/bench.json (7 methods x 3 seeds x 100 prompts): MDD 0.09-0.13 between two trained methods,
+    """docs/bench/unified/chained-12-steps/bench.json (7 methods x 3 seeds x 100 prompts): MDD 0.09-0.13 between two trained methods,
     as the variance components and the two-level bootstrap measured it."""
     c = power.components(power.scores(json.loads(open(BENCH).read())))
     assert (c.methods, c.seeds, c.prompts) == (7, 3, 100)

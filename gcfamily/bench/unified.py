@@ -55,9 +55,9 @@ UNIFIED: dict[str, dict[str, Any]] = {
     # in 8 steps). Each run is evaluated at its start (pi_sft's final evaluation, copied) and its end: greedily on
     # eval_samples held-out prompts and, on the same prompts, with k = 4 samples at temperature 1, whose share right
     # (sampled pass@1) is the compared figure, Maj@4 and Pass@4 beside it; the KL to pi_sft on 32. `tasks` adjusts the
-    # design to a task: on arithmetic (answers of a few tokens) stage 1 is 20 SFT steps, which leaves pi_sft at about 0.5,
-    # and a run takes a few minutes, so the methods fit three seeds in an hour (docs/bench/unified/README.md has the
-    # measured times); a chained run costs about four times as much.
+    # design to a task: on arithmetic (answers of a few tokens) stage 1 is 20 SFT steps, which leaves pi_sft at 0.50, every
+    # held-out prompt is evaluated (eval_samples 500 >= its 205), and a run takes 1-4 minutes, so six methods fit four
+    # seeds in an hour (docs/bench/unified/README.md has the measured times); a chained run costs about four times as much.
     "default": {
         "model": "smollm2-135m",
         "task": "chained",
