@@ -21,6 +21,11 @@ def _out_folder(out: str) -> Path:
     return folder
 
 
+def _names(methods: Optional[str]) -> Optional[list[str]]:
+    """--methods as a list of names (None when not given)."""
+    return [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+
+
 @click.command("bench")
 @click.option(
     "--methods",
@@ -198,7 +203,7 @@ def bench(
             replace_runs,
             model,
             task,
-            [m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+            _names(methods),
             unified_steps(budget),
             (not quick) if gate is None else gate,
         )
@@ -217,7 +222,7 @@ def bench(
 
         chosen = list(all_methods())
     else:
-        chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else default_methods()
+        chosen = _names(methods) or default_methods()
     folder = _out_folder(out or ("runs/bench-quick" if quick else "runs/bench"))
     tasks = (
         [t.strip() for t in task.split(",") if t.strip()]

@@ -59,17 +59,12 @@ def _flips(run: dict[str, Any], stage: dict[str, Any]) -> Optional[tuple[int, in
 def moved(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per stage-2 run (METHOD/seed-K): kl, flips (up, down, of n), pass1 change from pi_sft, reward slopes."""
     stage = results.get(STAGE)
+    rewards = {k: _rewards(r) for k, r in results.items() if k != STAGE and r.get("returncode") == 0}
     out: dict[str, dict[str, Any]] = {}
-    for key, run in results.items():
-        if key == STAGE or run.get("returncode") != 0:
-            continue
+    for key, mine in rewards.items():
+        run = results[key]
         seed = key.rpartition("/")[2]
-        mine = _rewards(run)
-        others = [
-            _rewards(r)
-            for k, r in results.items()
-            if k != key and k.endswith("/" + seed) and r.get("returncode") == 0 and _rewards(r)
-        ]
+        others = [r for k, r in rewards.items() if k != key and k.endswith("/" + seed) and r]
         relative = [
             (t, y - sum(o[t] for o in others if t in o) / sum(1 for o in others if t in o))
             for t, y in sorted(mine.items())
